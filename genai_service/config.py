@@ -1,0 +1,117 @@
+"""Configuration: frozen dataclasses, validated on construction.
+
+Environment variables and command-line flags are read in exactly one place
+(the ``__main__`` of each entry point); nothing here reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _positive(name: str, value: int | float) -> None:
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How ONNX Runtime runs the model."""
+
+    intra_op_threads: int = 0  # 0: ONNX Runtime's default (one per core)
+    runner: str = "auto"  # "auto" | "past_present" | "shared_buffer"
+
+    def __post_init__(self) -> None:
+        if self.intra_op_threads < 0:
+            raise ValueError(f"intra_op_threads must be >= 0, got {self.intra_op_threads}")
+        if self.runner not in ("auto", "past_present", "shared_buffer"):
+            raise ValueError(
+                f"runner must be one of auto, past_present, shared_buffer; got {self.runner!r}"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_seqs: int = 8  # sequences decoding together
+    max_num_batched_tokens: int = 512  # prefill tokens per step (chunked prefill budget)
+    max_queue: int = 256  # waiting requests before RESOURCE_EXHAUSTED
+
+    def __post_init__(self) -> None:
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_queue", self.max_queue)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """In-process prefix reuse (DESIGN §4 chunk keys)."""
+
+    chunk_size: int = 256  # tokens per KV chunk (genai-server --kv-chunk-size)
+    prefix_cache_bytes: int = 512 * 1024 * 1024  # LRU bound; 0 disables prefix reuse
+
+    def __post_init__(self) -> None:
+        _positive("chunk_size", self.chunk_size)
+        if self.prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    max_sessions: int = 64
+    idle_ttl_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        _positive("max_sessions", self.max_sessions)
+        _positive("idle_ttl_s", self.idle_ttl_s)
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """Request size limits, enforced before any work (DESIGN §6)."""
+
+    max_new_tokens_limit: int = 4096  # largest max_new_tokens a request may ask for
+    default_max_new_tokens: int = 256  # used when a request sets none
+    max_stop_sequences: int = 16
+    max_stop_sequence_chars: int = 256
+    max_stop_token_ids: int = 64
+    max_top_logprobs: int = 20
+    max_time_limit_ms: int = 3_600_000
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_new_tokens_limit",
+            "default_max_new_tokens",
+            "max_stop_sequences",
+            "max_stop_sequence_chars",
+            "max_stop_token_ids",
+            "max_time_limit_ms",
+        ):
+            _positive(name, getattr(self, name))
+        if self.max_top_logprobs < 0:
+            raise ValueError(f"max_top_logprobs must be >= 0, got {self.max_top_logprobs}")
+        if self.default_max_new_tokens > self.max_new_tokens_limit:
+            raise ValueError(
+                f"default_max_new_tokens ({self.default_max_new_tokens}) must be <= "
+                f"max_new_tokens_limit ({self.max_new_tokens_limit})"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs; composed of the parts above."""
+
+    model_dir: str
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    sessions: SessionConfig = field(default_factory=SessionConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    max_context_length: int | None = None  # cap below the model's own context length
+
+    def __post_init__(self) -> None:
+        if not self.model_dir:
+            raise ValueError("model_dir must be set")
+        if self.max_context_length is not None:
+            _positive("max_context_length", self.max_context_length)

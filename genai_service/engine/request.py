@@ -1,0 +1,168 @@
+"""What a caller asks of the engine and what it gets back.
+
+These are plain frozen dataclasses: they cross the engine-process boundary
+by pickle and never carry protobuf (the servicers convert at the boundary).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(enum.Enum):
+    """Why a request stopped producing tokens (mirrors genai.v1.FinishReason)."""
+
+    MAX_TOKENS = "MAX_TOKENS"
+    EOS_TOKEN = "EOS_TOKEN"
+    STOP_SEQUENCE = "STOP_SEQUENCE"
+    CONTEXT_LENGTH = "CONTEXT_LENGTH"
+    TIME_LIMIT = "TIME_LIMIT"
+    CANCELLED = "CANCELLED"
+
+
+class Priority(enum.IntEnum):
+    """Scheduling class: higher runs first; FCFS within a class."""
+
+    LOW = 0
+    NORMAL = 1
+    HIGH = 2
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Token selection. ``None`` means "not set" (model default, then neutral).
+
+    No temperature, or ``temperature == 0``, means greedy decoding.
+    """
+
+    temperature: float | None = None
+    top_k: int | None = None  # 0 or None: disabled
+    top_p: float | None = None  # 1.0 or None: disabled
+    min_p: float | None = None  # 0.0 or None: disabled
+    repetition_penalty: float | None = None  # 1.0 or None: disabled
+    frequency_penalty: float | None = None  # 0.0 or None: disabled
+    presence_penalty: float | None = None  # 0.0 or None: disabled
+    seed: int | None = None  # None: the engine picks one and reports it
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature is None or self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class StoppingCriteria:
+    """When to stop. ``max_new_tokens=None`` means "until EOS or the context limit"."""
+
+    max_new_tokens: int | None = None
+    min_new_tokens: int = 0
+    stop_sequences: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_sequence: bool = False
+    time_limit_ms: int | None = None
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation: a tokenized prompt plus how to sample and when to stop.
+
+    With ``session_id`` set, ``prompt_token_ids`` are the *new* tokens of a
+    turn; they are appended to the session's history.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stopping: StoppingCriteria = field(default_factory=StoppingCriteria)
+    top_logprobs: int = 0
+    priority: Priority = Priority.NORMAL
+    session_id: str | None = None
+    skip_special_tokens: bool = True
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    text: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probability of a chosen token under the model's raw distribution,
+    with the ``top`` most likely alternatives at that step."""
+
+    token_id: int
+    text: str
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV was reused, not recomputed
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one engine step produced for one request (a delta).
+
+    The last output of a request has ``finished=True`` and carries the finish
+    reason, usage, seed and session fields; ``error`` is set when the request
+    failed instead (its other fields are then not meaningful).
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_sequence: str = ""
+    usage: Usage | None = None
+    seed: int | None = None
+    session_id: str | None = None
+    session_tokens: int = 0
+    error: Exception | None = None
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """A whole request's outcome, gathered from its outputs (see ``collect``)."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...]
+    finish_reason: FinishReason
+    stop_sequence: str
+    usage: Usage
+    seed: int | None
+    session_id: str | None
+    session_tokens: int
+
+
+def collect(outputs: list[RequestOutput]) -> GenerationResult:
+    """Fold a request's deltas into one result; raises the request's error."""
+    if not outputs:
+        raise ValueError("no outputs to collect")
+    last = outputs[-1]
+    if last.error is not None:
+        raise last.error
+    if not last.finished or last.finish_reason is None or last.usage is None:
+        raise ValueError(f"request {last.request_id} has not finished")
+    return GenerationResult(
+        request_id=last.request_id,
+        text="".join(o.text for o in outputs),
+        token_ids=tuple(t for o in outputs for t in o.token_ids),
+        logprobs=tuple(lp for o in outputs for lp in o.logprobs),
+        finish_reason=last.finish_reason,
+        stop_sequence=last.stop_sequence,
+        usage=last.usage,
+        seed=last.seed,
+        session_id=last.session_id,
+        session_tokens=last.session_tokens,
+    )
