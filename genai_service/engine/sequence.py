@@ -1,0 +1,79 @@
+"""A request's mutable state inside the engine.
+
+``token_ids`` is the whole context: session history (if any), the prompt and
+the tokens generated so far. ``num_computed`` of them have KV in the model
+runner; the rest are computed by the next step(s). Outside decode there is
+always at least one token left to compute, because the last sampled token
+has not been fed back yet.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .request import FinishReason, GenerationRequest, TokenLogprob
+
+if TYPE_CHECKING:
+    from .detokenizer import IncrementalDetokenizer
+    from .sessions import Session
+    from .stops import StopStringMatcher
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "WAITING"
+    RUNNING = "RUNNING"  # prefilling (chunk by chunk) or decoding
+    COMMITTING = "COMMITTING"  # finished; computing the last token's KV for its session
+    FINISHED = "FINISHED"
+
+
+_seq_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: GenerationRequest
+    token_ids: list[int]
+    prompt_len: int  # context length before generation (history + new prompt)
+    max_new_tokens: int
+    eos_token_ids: frozenset[int]
+    stop_token_ids: frozenset[int]
+    rng: np.random.Generator
+    seed: int
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopStringMatcher
+    deadline: float | None  # monotonic time at which TIME_LIMIT fires
+    session: Session | None = None
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    arrival: float = field(default_factory=time.monotonic)
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0
+    num_cached: int = 0  # prompt tokens whose KV was reused (prefix index or session)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_sequence: str = ""
+    stored_chunks: int = 0  # leading chunks already in the prefix index
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens whose KV is not computed yet."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def in_prefill(self) -> bool:
+        return not self.output_ids and self.status is SeqStatus.RUNNING
+
+    @property
+    def priority_key(self) -> tuple[int, float, int]:
+        # Higher priority first, then first come first served.
+        return (-int(self.request.priority), self.arrival, self.seq_id)

@@ -1,0 +1,173 @@
+"""The session table: persistent multi-turn conversations.
+
+A session owns its token history and, while parked between turns, the KV of
+that history. A turn appends the new input to the history and prefills only
+the new tokens. Plain Python; the KV is an opaque object the engine gets from
+and gives back to the model runner.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import FailedPrecondition, NotFound, ResourceExhausted
+
+SESSION_ID_BYTES = 16  # 128-bit random ids (DESIGN §6)
+
+
+@dataclass(eq=False)
+class Session:
+    session_id: str
+    created_at: float
+    last_used_at: float
+    idle_ttl_s: float
+    owner: str = ""
+    history: list[int] = field(default_factory=list)
+    turns: int = 0
+    # KV of history[:kv_len] while parked; None while a turn runs or after reset.
+    kv: Any = None
+    kv_len: int = 0
+    running_request_id: str | None = None  # the turn in flight (user-visible "busy")
+    committing: bool = False  # the last turn's final token is still being computed
+
+    @property
+    def busy(self) -> bool:
+        return self.running_request_id is not None
+
+    @property
+    def kv_ready(self) -> bool:
+        return not self.committing
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """A snapshot of a session, safe to hand across process boundaries."""
+
+    session_id: str
+    created_at: float
+    last_used_at: float
+    idle_ttl_s: float
+    history_tokens: int
+    turns: int
+    busy: bool
+
+
+def _not_found(session_id: str) -> NotFound:
+    # Never say whether the id was unknown, expired or malformed (DESIGN §5).
+    return NotFound(f"session_id: no session {session_id[:64]!r}")
+
+
+class SessionTable:
+    def __init__(
+        self,
+        max_sessions: int,
+        idle_ttl_s: float,
+        clock: Callable[[], float] = time.time,  # wall clock: timestamps are shown to users
+        on_evict: Callable[[Session], None] | None = None,
+    ) -> None:
+        self.max_sessions = max_sessions
+        self.idle_ttl_s = idle_ttl_s
+        self._clock = clock
+        self._on_evict = on_evict
+        self._sessions: dict[str, Session] = {}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._sessions
+
+    def create(self, idle_ttl_s: float | None = None, owner: str = "") -> Session:
+        self.expire_idle()
+        if len(self._sessions) >= self.max_sessions:
+            raise ResourceExhausted(
+                f"sessions: {len(self._sessions)} open, the limit is {self.max_sessions}; "
+                "close one or retry later"
+            )
+        ttl = self.idle_ttl_s if idle_ttl_s is None else idle_ttl_s
+        if not ttl > 0:
+            raise ValueError(f"idle_ttl_s must be > 0, got {ttl}")
+        now = self._clock()
+        session = Session(secrets.token_hex(SESSION_ID_BYTES), now, now, ttl, owner)
+        self._sessions[session.session_id] = session
+        return session
+
+    def get(self, session_id: str) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None or self._expired(session, self._clock()):
+            if session is not None:
+                self._drop(session)
+            raise _not_found(session_id)
+        return session
+
+    def begin_turn(self, session_id: str, request_id: str) -> Session:
+        session = self.get(session_id)
+        if session.busy:
+            raise FailedPrecondition(
+                f"session_id: session {session_id!r} is already running a turn "
+                f"(request {session.running_request_id!r}); wait for it to finish"
+            )
+        session.running_request_id = request_id
+        session.last_used_at = self._clock()
+        return session
+
+    def end_turn(self, session: Session) -> None:
+        session.running_request_id = None
+        session.last_used_at = self._clock()
+
+    def reset(self, session_id: str) -> Session:
+        session = self.get(session_id)
+        if session.busy:
+            raise FailedPrecondition(
+                f"session_id: session {session_id!r} is running a turn; it cannot be reset now"
+            )
+        self._release_kv(session)
+        session.history = []
+        session.turns = 0
+        session.last_used_at = self._clock()
+        return session
+
+    def close(self, session_id: str) -> Session:
+        session = self.get(session_id)
+        self._drop(session)
+        return session
+
+    def list(self) -> list[Session]:
+        self.expire_idle()
+        return list(self._sessions.values())
+
+    def expire_idle(self) -> list[Session]:
+        now = self._clock()
+        expired = [s for s in self._sessions.values() if self._expired(s, now)]
+        for session in expired:
+            self._drop(session)
+        return expired
+
+    def _expired(self, session: Session, now: float) -> bool:
+        return not session.busy and now - session.last_used_at > session.idle_ttl_s
+
+    def _release_kv(self, session: Session) -> None:
+        if self._on_evict is not None and (session.kv is not None or session.committing):
+            self._on_evict(session)
+        session.kv = None
+        session.kv_len = 0
+
+    def _drop(self, session: Session) -> None:
+        self._release_kv(session)
+        self._sessions.pop(session.session_id, None)
+
+    @staticmethod
+    def info(session: Session) -> SessionInfo:
+        return SessionInfo(
+            session_id=session.session_id,
+            created_at=session.created_at,
+            last_used_at=session.last_used_at,
+            idle_ttl_s=session.idle_ttl_s,
+            history_tokens=len(session.history),
+            turns=session.turns,
+            busy=session.busy,
+        )

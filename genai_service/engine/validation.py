@@ -1,0 +1,118 @@
+"""Request validation: one table of rules, one message shape.
+
+Every message names the field, the value and the allowed range, so a client
+can fix its request without reading our code. Raises ``InvalidArgument``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..config import LimitsConfig
+from ..errors import InvalidArgument
+from .request import GenerationRequest
+
+UINT64_MAX = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class _Range:
+    field: str
+    low: float
+    high: float
+    low_open: bool = False  # (low, ...] instead of [low, ...]
+
+    def check(self, value: float | None) -> None:
+        if value is None:
+            return
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InvalidArgument(f"{self.field}: {value} is not a finite number")
+        too_low = value <= self.low if self.low_open else value < self.low
+        if too_low or value > self.high:
+            bracket = "(" if self.low_open else "["
+            raise InvalidArgument(
+                f"{self.field}: {value} is out of range; allowed {bracket}{_fmt(self.low)}, "
+                f"{_fmt(self.high)}]"
+            )
+
+
+def _fmt(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+_SAMPLING_RULES: tuple[tuple[str, Callable[[int], _Range]], ...] = (
+    ("temperature", lambda vocab: _Range("sampling.temperature", 0.0, 100.0)),
+    ("top_k", lambda vocab: _Range("sampling.top_k", 0, vocab)),
+    ("top_p", lambda vocab: _Range("sampling.top_p", 0.0, 1.0, low_open=True)),
+    ("min_p", lambda vocab: _Range("sampling.min_p", 0.0, 1.0)),
+    ("repetition_penalty", lambda vocab: _Range("sampling.repetition_penalty", 0.0, 10.0, True)),
+    ("frequency_penalty", lambda vocab: _Range("sampling.frequency_penalty", -2.0, 2.0)),
+    ("presence_penalty", lambda vocab: _Range("sampling.presence_penalty", -2.0, 2.0)),
+    ("seed", lambda vocab: _Range("sampling.seed", 0, UINT64_MAX)),
+)
+
+
+def resolve_max_new_tokens(request: GenerationRequest, limits: LimitsConfig) -> int:
+    value = request.stopping.max_new_tokens
+    return limits.default_max_new_tokens if value is None else value
+
+
+def validate_request(
+    request: GenerationRequest,
+    *,
+    vocab_size: int,
+    context_length: int,
+    history_len: int,
+    limits: LimitsConfig,
+) -> None:
+    """Check everything about a request before any work is done."""
+    if not request.request_id:
+        raise InvalidArgument("request_id: must not be empty")
+    n_prompt = len(request.prompt_token_ids)
+    if n_prompt == 0:
+        raise InvalidArgument("input: is empty; give text, token_ids or messages")
+    for i, tok in enumerate(request.prompt_token_ids):
+        if not 0 <= tok < vocab_size:
+            raise InvalidArgument(
+                f"token_ids[{i}]: {tok} is out of range; allowed [0, {vocab_size - 1}]"
+            )
+    total = history_len + n_prompt
+    if total >= context_length:
+        where = f" ({history_len} in the session history + {n_prompt} new)" if history_len else ""
+        raise InvalidArgument(
+            f"input: the prompt has {total} tokens{where}; the context window is "
+            f"{context_length} tokens, so a prompt may have at most {context_length - 1}"
+        )
+
+    sampling = request.sampling
+    for name, rule in _SAMPLING_RULES:
+        rule(vocab_size).check(getattr(sampling, name))
+
+    stopping = request.stopping
+    max_new = resolve_max_new_tokens(request, limits)
+    _Range("stopping.max_new_tokens", 1, limits.max_new_tokens_limit).check(max_new)
+    _Range("stopping.min_new_tokens", 0, max_new).check(stopping.min_new_tokens)
+    if len(stopping.stop_sequences) > limits.max_stop_sequences:
+        raise InvalidArgument(
+            f"stopping.stop_sequences: {len(stopping.stop_sequences)} given; "
+            f"allowed at most {limits.max_stop_sequences}"
+        )
+    for i, stop in enumerate(stopping.stop_sequences):
+        if not stop:
+            raise InvalidArgument(f"stopping.stop_sequences[{i}]: must not be empty")
+        if len(stop) > limits.max_stop_sequence_chars:
+            raise InvalidArgument(
+                f"stopping.stop_sequences[{i}]: {len(stop)} characters; allowed at most "
+                f"{limits.max_stop_sequence_chars}"
+            )
+    if len(stopping.stop_token_ids) > limits.max_stop_token_ids:
+        raise InvalidArgument(
+            f"stopping.stop_token_ids: {len(stopping.stop_token_ids)} given; "
+            f"allowed at most {limits.max_stop_token_ids}"
+        )
+    for i, tok in enumerate(stopping.stop_token_ids):
+        _Range(f"stopping.stop_token_ids[{i}]", 0, vocab_size - 1).check(tok)
+    _Range("stopping.time_limit_ms", 1, limits.max_time_limit_ms).check(stopping.time_limit_ms)
+    _Range("top_logprobs", 0, limits.max_top_logprobs).check(request.top_logprobs)
