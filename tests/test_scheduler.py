@@ -6,7 +6,7 @@ import pytest
 from genai_service.config import SchedulerConfig
 from genai_service.engine.request import GenerationRequest, Priority
 from genai_service.engine.scheduler import Scheduler
-from genai_service.engine.sequence import Sequence, SeqStatus
+from genai_service.engine.sequence import SeqStatus, Sequence
 from genai_service.errors import ResourceExhausted
 
 

@@ -13,7 +13,9 @@ LIMITS = LimitsConfig(max_new_tokens_limit=100, default_max_new_tokens=10)
 
 
 def check(request: GenerationRequest, history_len: int = 0) -> None:
-    validate_request(request, vocab_size=50, context_length=16, history_len=history_len, limits=LIMITS)
+    validate_request(
+        request, vocab_size=50, context_length=16, history_len=history_len, limits=LIMITS
+    )
 
 
 def req(**kw) -> GenerationRequest:
@@ -44,26 +46,71 @@ def test_valid_request_passes() -> None:
             "input: the prompt has 16 tokens; the context window is 16 tokens, so a prompt may "
             "have at most 15",
         ),
-        (dict(sampling=dict(temperature=-0.5)), "sampling.temperature: -0.5 is out of range; allowed [0, 100]"),
-        (dict(sampling=dict(temperature=float("nan"))), "sampling.temperature: nan is not a finite number"),
+        (
+            dict(sampling=dict(temperature=-0.5)),
+            "sampling.temperature: -0.5 is out of range; allowed [0, 100]",
+        ),
+        (
+            dict(sampling=dict(temperature=float("nan"))),
+            "sampling.temperature: nan is not a finite number",
+        ),
         (dict(sampling=dict(top_k=-1)), "sampling.top_k: -1 is out of range; allowed [0, 50]"),
         (dict(sampling=dict(top_k=51)), "sampling.top_k: 51 is out of range; allowed [0, 50]"),
         (dict(sampling=dict(top_p=0.0)), "sampling.top_p: 0.0 is out of range; allowed (0, 1]"),
         (dict(sampling=dict(top_p=1.5)), "sampling.top_p: 1.5 is out of range; allowed (0, 1]"),
         (dict(sampling=dict(min_p=1.1)), "sampling.min_p: 1.1 is out of range; allowed [0, 1]"),
-        (dict(sampling=dict(repetition_penalty=0.0)), "sampling.repetition_penalty: 0.0 is out of range; allowed (0, 10]"),
-        (dict(sampling=dict(frequency_penalty=2.5)), "sampling.frequency_penalty: 2.5 is out of range; allowed [-2, 2]"),
-        (dict(sampling=dict(presence_penalty=-3.0)), "sampling.presence_penalty: -3.0 is out of range; allowed [-2, 2]"),
-        (dict(sampling=dict(seed=-1)), "sampling.seed: -1 is out of range; allowed [0, 18446744073709551615]"),
-        (dict(stopping=dict(max_new_tokens=0)), "stopping.max_new_tokens: 0 is out of range; allowed [1, 100]"),
-        (dict(stopping=dict(max_new_tokens=101)), "stopping.max_new_tokens: 101 is out of range; allowed [1, 100]"),
-        (dict(stopping=dict(min_new_tokens=11)), "stopping.min_new_tokens: 11 is out of range; allowed [0, 10]"),
-        (dict(stopping=dict(stop_sequences=("",))), "stopping.stop_sequences[0]: must not be empty"),
-        (dict(stopping=dict(stop_sequences=("x",) * 17)), "stopping.stop_sequences: 17 given; allowed at most 16"),
-        (dict(stopping=dict(stop_sequences=("x" * 257,))), "stopping.stop_sequences[0]: 257 characters; allowed at most 256"),
-        (dict(stopping=dict(stop_token_ids=(0, 50))), "stopping.stop_token_ids[1]: 50 is out of range; allowed [0, 49]"),
-        (dict(stopping=dict(stop_token_ids=(1,) * 65)), "stopping.stop_token_ids: 65 given; allowed at most 64"),
-        (dict(stopping=dict(time_limit_ms=0)), "stopping.time_limit_ms: 0 is out of range; allowed [1, 3600000]"),
+        (
+            dict(sampling=dict(repetition_penalty=0.0)),
+            "sampling.repetition_penalty: 0.0 is out of range; allowed (0, 10]",
+        ),
+        (
+            dict(sampling=dict(frequency_penalty=2.5)),
+            "sampling.frequency_penalty: 2.5 is out of range; allowed [-2, 2]",
+        ),
+        (
+            dict(sampling=dict(presence_penalty=-3.0)),
+            "sampling.presence_penalty: -3.0 is out of range; allowed [-2, 2]",
+        ),
+        (
+            dict(sampling=dict(seed=-1)),
+            "sampling.seed: -1 is out of range; allowed [0, 18446744073709551615]",
+        ),
+        (
+            dict(stopping=dict(max_new_tokens=0)),
+            "stopping.max_new_tokens: 0 is out of range; allowed [1, 100]",
+        ),
+        (
+            dict(stopping=dict(max_new_tokens=101)),
+            "stopping.max_new_tokens: 101 is out of range; allowed [1, 100]",
+        ),
+        (
+            dict(stopping=dict(min_new_tokens=11)),
+            "stopping.min_new_tokens: 11 is out of range; allowed [0, 10]",
+        ),
+        (
+            dict(stopping=dict(stop_sequences=("",))),
+            "stopping.stop_sequences[0]: must not be empty",
+        ),
+        (
+            dict(stopping=dict(stop_sequences=("x",) * 17)),
+            "stopping.stop_sequences: 17 given; allowed at most 16",
+        ),
+        (
+            dict(stopping=dict(stop_sequences=("x" * 257,))),
+            "stopping.stop_sequences[0]: 257 characters; allowed at most 256",
+        ),
+        (
+            dict(stopping=dict(stop_token_ids=(0, 50))),
+            "stopping.stop_token_ids[1]: 50 is out of range; allowed [0, 49]",
+        ),
+        (
+            dict(stopping=dict(stop_token_ids=(1,) * 65)),
+            "stopping.stop_token_ids: 65 given; allowed at most 64",
+        ),
+        (
+            dict(stopping=dict(time_limit_ms=0)),
+            "stopping.time_limit_ms: 0 is out of range; allowed [1, 3600000]",
+        ),
         (dict(top_logprobs=21), "top_logprobs: 21 is out of range; allowed [0, 20]"),
         (dict(top_logprobs=-1), "top_logprobs: -1 is out of range; allowed [0, 20]"),
     ],

@@ -1,0 +1,503 @@
+"""The engine: requests in, per-step token deltas out.
+
+Single-threaded and synchronous: the engine process (or a test) calls
+``add_request``/``abort`` between ``step`` calls. A step is three calls:
+``scheduler.schedule()``, ``runner.run(...)``, then ``_postprocess`` which
+samples, applies stop rules and emits one ``RequestOutput`` per request that
+moved.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+import numpy as np
+import structlog
+
+from ..config import EngineConfig
+from ..errors import GenAIError, Internal, InvalidArgument
+from . import sampler as sampling
+from .detokenizer import IncrementalDetokenizer
+from .model_dir import ModelSpec, load_model_spec
+from .model_runner import ModelRunner, StepItem, create_runner
+from .prefix_cache import PrefixIndex, chunk_keys, make_namespace
+from .request import (
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    collect,
+)
+from .scheduler import Scheduler
+from .sequence import SeqStatus, Sequence
+from .sessions import Session, SessionInfo, SessionTable
+from .stops import StopStringMatcher
+from .tokenizer import Tokenizer
+from .validation import resolve_max_new_tokens, validate_request
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_CONTEXT_LENGTH = 2048  # when neither the graph nor a config says
+DETOKENIZER_CONTEXT = 8  # prompt tokens given to the detokenizer as left context
+_SAMPLING_DEFAULT_FIELDS = ("top_k", "top_p", "min_p", "repetition_penalty")
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model_id: str
+    context_length: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: str
+    runner_kind: str
+    has_chat_template: bool
+    kv_chunk_size: int
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        spec: ModelSpec | None = None,
+        tokenizer: Tokenizer | None = None,
+        runner: ModelRunner | None = None,
+    ) -> None:
+        self.config = config
+        self.spec = spec or load_model_spec(config.model_dir)
+        self.tokenizer = tokenizer or Tokenizer.from_dir(self.spec.path, self.spec)
+        self.runner = runner or create_runner(self.spec, config.runner)
+        context = self.spec.context_length or DEFAULT_CONTEXT_LENGTH
+        if config.max_context_length is not None:
+            context = min(context, config.max_context_length)
+        self.context_length = context
+        self.vocab_size = self.spec.vocab_size
+        self.scheduler = Scheduler(config.scheduler, admit=self._admit)
+        self.sessions = SessionTable(
+            config.sessions.max_sessions,
+            config.sessions.idle_ttl_s,
+            on_evict=self._drop_session_kv,
+        )
+        self.chunk_size = config.cache.chunk_size
+        kv = self.spec.kv
+        self.namespace = make_namespace(
+            self.spec.fingerprint,
+            kv.dtype,
+            f"L{kv.num_layers}.H{kv.num_kv_heads}.D{kv.head_dim}.hnd",
+            self.chunk_size,
+        )
+        self.prefix_index = PrefixIndex(config.cache.prefix_cache_bytes)
+        self._requests: dict[str, Sequence] = {}
+        self._pending: list[RequestOutput] = []
+        self.counters: Counter[str] = Counter()
+
+    # -- public API ------------------------------------------------------------
+
+    def info(self) -> EngineInfo:
+        kv = self.spec.kv
+        return EngineInfo(
+            model_id=self.spec.model_id,
+            context_length=self.context_length,
+            vocab_size=self.vocab_size,
+            eos_token_ids=tuple(self.spec.eos_token_ids),
+            num_layers=kv.num_layers,
+            num_kv_heads=kv.num_kv_heads,
+            head_dim=kv.head_dim,
+            kv_dtype=kv.dtype,
+            runner_kind=self.runner.kind,
+            has_chat_template=self.tokenizer.has_chat_template(),
+            kv_chunk_size=self.chunk_size,
+        )
+
+    def add_request(self, request: GenerationRequest) -> None:
+        """Validate and queue a request; raises a ``GenAIError`` if it cannot run."""
+        if request.request_id in self._requests:
+            raise InvalidArgument(f"request_id: {request.request_id!r} is already in flight")
+        session = None
+        history: list[int] = []
+        if request.session_id is not None:
+            session = self.sessions.get(request.session_id)
+            history = session.history
+        validate_request(
+            request,
+            vocab_size=self.vocab_size,
+            context_length=self.context_length,
+            history_len=len(history),
+            limits=self.config.limits,
+        )
+        if session is not None:
+            self.sessions.begin_turn(session.session_id, request.request_id)
+        try:
+            seq = self._make_sequence(request, history, session)
+            self.scheduler.add(seq)
+        except GenAIError:
+            if session is not None:
+                self.sessions.end_turn(session)
+            raise
+        self._requests[request.request_id] = seq
+        self.counters["requests_added"] += 1
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now; its final output (``CANCELLED``) comes from the next step."""
+        seq = self._requests.get(request_id)
+        if seq is None or seq.status in (SeqStatus.FINISHED, SeqStatus.COMMITTING):
+            return False
+        self._finish(seq, FinishReason.CANCELLED, emit=True, abort=True)
+        self.counters["requests_aborted"] += 1
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._pending) or self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        self._expire()
+        batch = self.scheduler.schedule()
+        if not batch:
+            return outputs
+        items = [
+            StepItem(
+                seq.seq_id, seq.token_ids[seq.num_computed : seq.num_computed + n], seq.num_computed
+            )
+            for seq, n in batch.items
+        ]
+        try:
+            logits = self.runner.run(items)
+        except Exception as exc:  # an ORT failure must not take the engine down
+            log.exception("runner_failed", batch=[s.request_id for s, _ in batch.items])
+            for seq, _ in batch.items:
+                self._fail(seq, Internal(f"model runner failed: {exc}"))
+            return outputs + self._drain_pending()
+        self.counters["steps"] += 1
+        self.counters["computed_tokens"] += batch.num_tokens
+        outputs.extend(self._postprocess(batch.items, logits))
+        return outputs + self._drain_pending()
+
+    def run_to_completion(
+        self, requests: Iterable[GenerationRequest]
+    ) -> dict[str, GenerationResult]:
+        """Add ``requests`` and step until all of them finish (tests, benchmarks)."""
+        ids = []
+        for request in requests:
+            self.add_request(request)
+            ids.append(request.request_id)
+        outputs: dict[str, list[RequestOutput]] = {rid: [] for rid in ids}
+        while any(not (o and o[-1].finished) for o in outputs.values()):
+            for out in self.step():
+                if out.request_id in outputs:
+                    outputs[out.request_id].append(out)
+        return {rid: collect(outs) for rid, outs in outputs.items()}
+
+    def generate(self, request: GenerationRequest) -> GenerationResult:
+        return self.run_to_completion([request])[request.request_id]
+
+    # sessions
+
+    def create_session(self, idle_ttl_s: float | None = None, owner: str = "") -> SessionInfo:
+        return SessionTable.info(self.sessions.create(idle_ttl_s, owner))
+
+    def get_session(self, session_id: str) -> SessionInfo:
+        return SessionTable.info(self.sessions.get(session_id))
+
+    def reset_session(self, session_id: str) -> SessionInfo:
+        return SessionTable.info(self.sessions.reset(session_id))
+
+    def close_session(self, session_id: str) -> SessionInfo:
+        return SessionTable.info(self.sessions.close(session_id))
+
+    def list_sessions(self) -> list[SessionInfo]:
+        return [SessionTable.info(s) for s in self.sessions.list()]
+
+    # -- internals ---------------------------------------------------------------
+
+    def _make_sequence(
+        self, request: GenerationRequest, history: list[int], session: Session | None
+    ) -> Sequence:
+        stopping = request.stopping
+        seed = request.sampling.seed
+        if seed is None:
+            seed = secrets.randbits(63)
+        token_ids = list(history) + list(request.prompt_token_ids)
+        deadline = None
+        if stopping.time_limit_ms is not None:
+            deadline = time.monotonic() + stopping.time_limit_ms / 1000.0
+        return Sequence(
+            request=request,
+            token_ids=token_ids,
+            prompt_len=len(token_ids),
+            max_new_tokens=resolve_max_new_tokens(request, self.config.limits),
+            eos_token_ids=frozenset(() if stopping.ignore_eos else self.spec.eos_token_ids),
+            stop_token_ids=frozenset(stopping.stop_token_ids),
+            rng=np.random.default_rng(seed),
+            seed=seed,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer.inner,
+                token_ids[-DETOKENIZER_CONTEXT:],
+                skip_special_tokens=request.skip_special_tokens,
+            ),
+            stop_matcher=StopStringMatcher(stopping.stop_sequences, stopping.include_stop_sequence),
+            deadline=deadline,
+            session=session,
+        )
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Attach reused KV before a sequence's first step."""
+        session = seq.session
+        if session is not None:
+            if not session.kv_ready:
+                return False  # the previous turn's last token is computed this step
+            if session.kv is not None:
+                self.runner.write_kv(seq.seq_id, session.kv)
+                seq.num_computed = seq.num_cached = session.kv_len
+                session.kv, session.kv_len = None, 0
+                self.counters["session_cached_tokens"] += seq.num_cached
+                return True
+        if self.prefix_index.capacity_bytes and seq.num_computed == 0:
+            # Always leave at least one prompt token to compute: its logits are needed.
+            keys = chunk_keys(self.namespace, seq.token_ids[: seq.prompt_len - 1], self.chunk_size)
+            hits = self.prefix_index.match(keys)
+            if hits:
+                self.runner.write_kv(seq.seq_id, self.prefix_index.gather(keys[:hits]))
+                seq.num_computed = seq.num_cached = hits * self.chunk_size
+                seq.stored_chunks = hits
+                self.counters["prefix_cached_tokens"] += seq.num_cached
+        return True
+
+    def _postprocess(
+        self, items: list[tuple[Sequence, int]], logits: np.ndarray
+    ) -> list[RequestOutput]:
+        to_sample: list[int] = []
+        for i, (seq, n) in enumerate(items):
+            seq.num_computed += n
+            if seq.status is SeqStatus.COMMITTING:
+                self._park_session(seq)
+            elif seq.num_pending == 0:
+                to_sample.append(i)
+                if not seq.output_ids:
+                    self._store_prefix(seq)  # prompt done: share its chunks right away
+        if not to_sample:
+            return []
+        seqs = [items[i][0] for i in to_sample]
+        rows = [self._sampling_row(seq) for seq in seqs]
+        sampled = sampling.sample(logits[to_sample], sampling.prepare(rows))
+        outputs = []
+        for j, seq in enumerate(seqs):
+            lp = None
+            if seq.request.top_logprobs > 0:
+                lp = self._token_logprob(
+                    int(sampled.token_ids[j]),
+                    float(sampled.logprobs[j]) if sampled.logprobs is not None else 0.0,
+                    sampled.top_token_ids[j],
+                    sampled.top_logprobs[j],
+                )
+            outputs.append(self._append_token(seq, int(sampled.token_ids[j]), lp))
+        return outputs
+
+    def _sampling_row(self, seq: Sequence) -> sampling.SamplingRow:
+        banned: tuple[int, ...] = ()
+        if len(seq.output_ids) < seq.request.stopping.min_new_tokens:
+            banned = tuple(seq.eos_token_ids | seq.stop_token_ids)
+        return sampling.SamplingRow(
+            params=self._effective_sampling(seq.request.sampling),
+            rng=seq.rng,
+            prompt_token_ids=seq.token_ids[: seq.prompt_len],
+            output_token_ids=seq.output_ids,
+            top_logprobs=seq.request.top_logprobs,
+            banned_token_ids=banned,
+            want_logprobs=seq.request.top_logprobs > 0,
+        )
+
+    def _effective_sampling(self, params: SamplingParams) -> SamplingParams:
+        """Model defaults (genai_config ``search``) fill unset fields of sampling requests."""
+        defaults = self.spec.sampling_defaults
+        if params.greedy or not defaults.get("do_sample"):
+            return params
+        filled = {
+            name: defaults[name]
+            for name in _SAMPLING_DEFAULT_FIELDS
+            if getattr(params, name) is None and name in defaults
+        }
+        if not filled:
+            return params
+        return replace(params, **filled)  # type: ignore[arg-type]
+
+    def _token_logprob(
+        self, token: int, logprob: float, top_ids: np.ndarray, top_lps: np.ndarray
+    ) -> TokenLogprob:
+        text = self.tokenizer.token_text
+        return TokenLogprob(
+            token_id=token,
+            text=text(token),
+            logprob=logprob,
+            top=tuple(
+                TopLogprob(int(t), text(int(t)), float(p))
+                for t, p in zip(top_ids, top_lps, strict=True)
+            ),
+        )
+
+    def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> RequestOutput:
+        seq.token_ids.append(token)
+        seq.output_ids.append(token)
+        if lp is not None:
+            seq.logprobs.append(lp)
+        stopping = seq.request.stopping
+        finish: FinishReason | None = None
+        text = ""
+        if token in seq.eos_token_ids:
+            finish = FinishReason.EOS_TOKEN
+        elif token in seq.stop_token_ids:
+            finish = FinishReason.STOP_SEQUENCE
+            seq.stop_sequence = self.tokenizer.token_text(token)
+            # Text held back for a possible stop string is real output after all.
+            text = seq.stop_matcher.flush() + seq.detokenizer.flush()
+            if stopping.include_stop_sequence:
+                text += seq.stop_sequence
+        else:
+            text, matched = seq.stop_matcher.feed(seq.detokenizer.add([token]))
+            if matched is not None:
+                finish, seq.stop_sequence = FinishReason.STOP_SEQUENCE, matched
+        if finish is None:
+            if len(seq.output_ids) >= seq.max_new_tokens:
+                finish = FinishReason.MAX_TOKENS
+            elif len(seq.token_ids) >= self.context_length:
+                finish = FinishReason.CONTEXT_LENGTH
+            elif seq.deadline is not None and time.monotonic() >= seq.deadline:
+                finish = FinishReason.TIME_LIMIT
+        if finish is None:
+            return RequestOutput(seq.request_id, (token,), text, (lp,) if lp else ())
+        if finish is not FinishReason.STOP_SEQUENCE:
+            tail, matched = seq.stop_matcher.feed(seq.detokenizer.flush())
+            text += tail
+            if matched is not None:
+                finish, seq.stop_sequence = FinishReason.STOP_SEQUENCE, matched
+            else:
+                text += seq.stop_matcher.flush()
+        final = self._finish(seq, finish, emit=False)
+        return RequestOutput(
+            seq.request_id,
+            (token,),
+            text,
+            (lp,) if lp else (),
+            finished=True,
+            finish_reason=final.finish_reason,
+            stop_sequence=final.stop_sequence,
+            usage=final.usage,
+            seed=final.seed,
+            session_id=final.session_id,
+            session_tokens=final.session_tokens,
+        )
+
+    def _finish(
+        self, seq: Sequence, reason: FinishReason, *, emit: bool, abort: bool = False
+    ) -> RequestOutput:
+        """Retire a request: free or park its KV, end its session turn, build its final output."""
+        seq.finish_reason = reason
+        self._requests.pop(seq.request_id, None)
+        session = seq.session
+        commit = False
+        if session is not None:
+            if abort:
+                self._restore_session_after_abort(seq, session)
+            else:
+                session.history = list(seq.token_ids)
+                session.turns += 1
+                # The last sampled token has no KV yet: compute it next step so
+                # the next turn reuses the whole history.
+                commit = seq.num_pending == 1 and seq.status is SeqStatus.RUNNING
+            self.sessions.end_turn(session)
+        if commit and session is not None:
+            seq.status = SeqStatus.COMMITTING
+            session.committing = True
+        else:
+            self._retire(seq)
+        self.counters["requests_finished"] += 1
+        self.counters["generated_tokens"] += len(seq.output_ids)
+        out = RequestOutput(
+            seq.request_id,
+            finished=True,
+            finish_reason=reason,
+            stop_sequence=seq.stop_sequence,
+            usage=Usage(seq.prompt_len, len(seq.output_ids), seq.num_cached),
+            seed=seq.seed,
+            session_id=session.session_id if session else None,
+            session_tokens=len(session.history) if session else 0,
+        )
+        if emit:
+            self._pending.append(out)
+        return out
+
+    def _retire(self, seq: Sequence) -> None:
+        if seq.status is SeqStatus.RUNNING or seq.status is SeqStatus.COMMITTING:
+            self._store_prefix(seq)
+        seq.status = SeqStatus.FINISHED
+        self.scheduler.remove(seq)
+        self.runner.release(seq.seq_id)
+
+    def _restore_session_after_abort(self, seq: Sequence, session: Session) -> None:
+        """An aborted turn leaves the history as it was; keep its KV if we have it."""
+        n = len(session.history)
+        if seq.status is SeqStatus.RUNNING and self.runner.kv_len(seq.seq_id) >= n > 0:
+            session.kv, session.kv_len = self.runner.read_kv(seq.seq_id, 0, n), n
+
+    def _park_session(self, seq: Sequence) -> None:
+        session = seq.session
+        assert session is not None  # only session sequences commit
+        n = self.runner.kv_len(seq.seq_id)
+        if len(session.history) == n and session.session_id in self.sessions:
+            session.kv, session.kv_len = self.runner.read_kv(seq.seq_id, 0, n), n
+        session.committing = False
+        self._retire(seq)
+
+    def _drop_session_kv(self, session: Session) -> None:
+        session.kv, session.kv_len = None, 0
+
+    def _store_prefix(self, seq: Sequence) -> None:
+        """Put the sequence's complete, not yet stored chunks into the prefix index."""
+        if not self.prefix_index.capacity_bytes:
+            return
+        n_chunks = self.runner.kv_len(seq.seq_id) // self.chunk_size
+        if n_chunks <= seq.stored_chunks:
+            return
+        keys = chunk_keys(
+            self.namespace, seq.token_ids[: n_chunks * self.chunk_size], self.chunk_size
+        )
+        for i in range(seq.stored_chunks, n_chunks):
+            if keys[i] not in self.prefix_index:
+                start = i * self.chunk_size
+                layers = self.runner.read_kv(seq.seq_id, start, start + self.chunk_size)
+                self.prefix_index.put(keys[i], layers)
+        seq.stored_chunks = n_chunks
+
+    def _fail(self, seq: Sequence, error: GenAIError) -> None:
+        if seq.status is SeqStatus.COMMITTING:
+            if seq.session is not None:
+                seq.session.committing = False
+            self._retire(seq)
+            return
+        self._requests.pop(seq.request_id, None)
+        if seq.session is not None:
+            self.sessions.end_turn(seq.session)
+        seq.status = SeqStatus.FINISHED  # its KV may be half-written: never share it
+        self._retire(seq)
+        self._pending.append(RequestOutput(seq.request_id, finished=True, error=error))
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for seq in self.scheduler.waiting():
+            if seq.deadline is not None and now >= seq.deadline:
+                self._finish(seq, FinishReason.TIME_LIMIT, emit=True, abort=True)
+        self.sessions.expire_idle()
+
+    def _drain_pending(self) -> list[RequestOutput]:
+        out, self._pending = self._pending, []
+        return out

@@ -1,0 +1,642 @@
+"""Model directory: what the engine needs to know about a model before running it.
+
+A model directory (DESIGN.md §2) holds ``model.onnx`` (+ external data),
+``tokenizer.json`` and optionally ``genai_config.json`` (onnxruntime-genai),
+``inference_metadata.yaml`` (onnx-genai), ``generation_config.json``,
+``tokenizer_config.json`` and ``chat_template.jinja``.
+
+``load_model_spec`` reads the graph's declarations only (never its weights),
+checks that the engine can drive it, and merges what the config files add.
+Precedence for every value: the graph (when it states it), then
+genai_config.json, then inference_metadata.yaml, then generation_config.json /
+tokenizer_config.json, then the tokenizer itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import onnx
+import yaml
+
+from genai_service.errors import ModelLoadError
+
+MODEL_FILE = "model.onnx"
+TOKENIZER_FILE = "tokenizer.json"
+GENAI_CONFIG_FILE = "genai_config.json"
+INFERENCE_METADATA_FILE = "inference_metadata.yaml"
+GENERATION_CONFIG_FILE = "generation_config.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+# Canonical tensor names (DESIGN.md §2); genai_config.json may rename the KV ones.
+INPUT_IDS = "input_ids"
+ATTENTION_MASK = "attention_mask"
+POSITION_IDS = "position_ids"
+LOGITS = "logits"
+PAST_KEY = "past_key_values.%d.key"
+PAST_VALUE = "past_key_values.%d.value"
+PRESENT_KEY = "present.%d.key"
+PRESENT_VALUE = "present.%d.value"
+
+# Tried, in this order, when no config names the EOS token(s); every one found counts.
+EOS_TOKEN_CANDIDATES = (
+    "</s>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<eos>",
+    "<|end_of_text|>",
+    "<|eot_id|>",
+    "<end_of_turn>",
+)
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty")
+_FINGERPRINT_VERSION = b"genai-model-fingerprint/v1"
+
+_KV_DTYPES: dict[int, str] = {
+    onnx.TensorProto.FLOAT: "float32",
+    onnx.TensorProto.FLOAT16: "float16",
+}
+_INT64 = onnx.TensorProto.INT64
+
+Dim = int | str | None  # static size, symbolic name, or unknown
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """Per-layer KV tensors are ``[batch, num_kv_heads, seq, head_dim]`` of ``dtype``."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # "float32" | "float16"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the engine knows about a model directory, without its weights."""
+
+    path: Path
+    onnx_path: Path
+    model_id: str
+    kv: KvLayout
+    vocab_size: int
+    input_names: tuple[str, ...]
+    has_attention_mask: bool
+    has_position_ids: bool
+    past_names: tuple[tuple[str, str], ...]  # per layer: (past key input, past value input)
+    present_names: tuple[tuple[str, str], ...]  # per layer: (present key, present value output)
+    uses_gqa: bool  # com.microsoft GroupQueryAttention in the graph
+    logits_last_only: bool  # logits hold only the last position: [batch, 1, vocab]
+    context_length: int | None
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    pad_token_id: int | None
+    sampling_defaults: dict[str, float | int] = field(hash=False)
+    chat_template: str | None
+    fingerprint: str  # hex; see _fingerprint
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    name: str
+    elem_type: int  # onnx.TensorProto.DataType; 0 when the graph does not say
+    shape: tuple[Dim, ...] | None  # None when the graph declares no shape
+
+
+def load_model_spec(path: str | Path) -> ModelSpec:
+    """Introspect a model directory; raise ``ModelLoadError`` naming the file or tensor at fault.
+
+    The model id is the directory name unless ``model.name`` in genai_config.json
+    or inference_metadata.yaml says otherwise.
+    """
+    root = Path(path).expanduser().resolve()
+    if not root.is_dir():
+        raise ModelLoadError(f"model directory {root} does not exist")
+    genai = read_json(root / GENAI_CONFIG_FILE)
+    meta = _read_yaml(root / INFERENCE_METADATA_FILE)
+    gen_cfg = read_json(root / GENERATION_CONFIG_FILE)
+    tok_cfg = read_json(root / TOKENIZER_CONFIG_FILE)
+
+    filename = _get(genai, "model", "decoder", "filename") or MODEL_FILE
+    onnx_path = root / str(filename)
+    if not onnx_path.is_file():
+        raise ModelLoadError(f"{onnx_path}: model file not found")
+    tokenizer_path = root / TOKENIZER_FILE
+    if not tokenizer_path.is_file():
+        raise ModelLoadError(f"{tokenizer_path}: tokenizer file not found")
+
+    graph_bytes = onnx_path.read_bytes()
+    try:
+        # Parsing the bytes we hash is onnx.load(path, load_external_data=False) without a
+        # second read: external weights stay on disk.
+        model = onnx.load_model_from_string(graph_bytes)
+    except Exception as e:  # protobuf raises DecodeError and friends
+        raise ModelLoadError(f"{onnx_path.name}: not a valid ONNX model ({e})") from e
+
+    names = _tensor_name_patterns(genai)
+    graph = model.graph
+    initializers = {t.name for t in graph.initializer}
+    inputs = {vi.name: _tensor(vi) for vi in graph.input if vi.name not in initializers}
+    outputs = {vi.name: _tensor(vi) for vi in graph.output}
+
+    if INPUT_IDS not in inputs:
+        raise ModelLoadError(f"{onnx_path.name}: graph has no input '{INPUT_IDS}'")
+    if LOGITS not in outputs:
+        raise ModelLoadError(f"{onnx_path.name}: graph has no output '{LOGITS}'")
+    for name in (INPUT_IDS, ATTENTION_MASK, POSITION_IDS):
+        if name in inputs and inputs[name].elem_type != _INT64:
+            got = _dtype_name(inputs[name].elem_type)
+            raise ModelLoadError(f"{name}: must be int64, got {got}")
+
+    past_names, present_names = _pair_kv(onnx_path.name, inputs, outputs, names)
+    past_tensors = [inputs[n] for pair in past_names for n in pair]
+    dtype = _kv_dtype(past_tensors + [outputs[n] for pair in present_names for n in pair])
+    kv_heads = _kv_dim(
+        past_tensors, 1, "kv_heads",
+        _get(genai, "model", "decoder", "num_key_value_heads"),
+        _get(meta, "model", "attention", "num_kv_heads"),
+        "num_key_value_heads",
+    )  # fmt: skip
+    head_dim = _kv_dim(
+        past_tensors, 3, "head_dim",
+        _get(genai, "model", "decoder", "head_size"),
+        _get(meta, "model", "attention", "head_dim"),
+        "head_size",
+    )  # fmt: skip
+    kv = KvLayout(len(past_names), kv_heads, head_dim, dtype)
+
+    tokenizer = _LazyTokenizer(tokenizer_path)
+    logits = outputs[LOGITS]
+    vocab_size, logits_seq = _check_logits(logits)
+    if vocab_size is None:
+        vocab_size = _opt_int(
+            _first(_get(genai, "model", "vocab_size"), _get(meta, "model", "vocab_size")),
+            "vocab_size",
+        )
+    if vocab_size is None:
+        vocab_size = tokenizer.get().get_vocab_size(with_added_tokens=True)
+    metadata_props = {p.key: p.value for p in model.metadata_props}
+    logits_last_only = logits_seq == 1 or metadata_props.get("genai.logits") == "last"
+
+    def config_id(key: str, tok_cfg_key: str) -> int | None:
+        value = _first(
+            _get(genai, "model", key),
+            _get(meta, "tokens", key),
+            _get(meta, "model", key),
+            _get(gen_cfg, key),
+        )
+        if value is not None:
+            ids = _as_ids(value, key)
+            return ids[0] if ids else None
+        return tokenizer.token_id(special_token_text(_get(tok_cfg, tok_cfg_key)))
+
+    model_name = _first(_get(genai, "model", "name"), _get(meta, "model", "name"))
+    return ModelSpec(
+        path=root,
+        onnx_path=onnx_path,
+        model_id=str(model_name) if model_name else root.name,
+        kv=kv,
+        vocab_size=vocab_size,
+        input_names=tuple(inputs),
+        has_attention_mask=ATTENTION_MASK in inputs,
+        has_position_ids=POSITION_IDS in inputs,
+        past_names=past_names,
+        present_names=present_names,
+        uses_gqa=any(
+            n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"
+            for n in _all_nodes(model)
+        ),
+        logits_last_only=logits_last_only,
+        context_length=_opt_int(
+            _first(
+                _get(genai, "model", "context_length"),
+                _get(meta, "model", "max_sequence_length"),
+            ),
+            "context_length",
+        ),
+        eos_token_ids=_eos_ids(genai, meta, gen_cfg, tok_cfg, tokenizer),
+        bos_token_id=config_id("bos_token_id", "bos_token"),
+        pad_token_id=config_id("pad_token_id", "pad_token"),
+        sampling_defaults=_sampling_defaults(genai, meta),
+        chat_template=find_chat_template(root, tok_cfg),
+        fingerprint=_fingerprint(graph_bytes, _external_data_sizes(model, onnx_path)),
+    )
+
+
+# --- graph introspection ---------------------------------------------------------------
+
+
+def _tensor(vi: onnx.ValueInfoProto) -> _Tensor:
+    if not vi.type.HasField("tensor_type"):
+        return _Tensor(vi.name, 0, None)
+    tt = vi.type.tensor_type
+    shape: tuple[Dim, ...] | None = None
+    if tt.HasField("shape"):
+        shape = tuple(
+            d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
+        )
+    return _Tensor(vi.name, tt.elem_type, shape)
+
+
+def _dtype_name(elem_type: int) -> str:
+    if elem_type == 0:
+        return "an undeclared type"
+    if elem_type in _KV_DTYPES:
+        return _KV_DTYPES[elem_type]
+    return onnx.TensorProto.DataType.Name(elem_type).lower()
+
+
+def _tensor_name_patterns(genai: Mapping[str, Any]) -> dict[str, str]:
+    """KV name patterns (``%d`` = layer); genai_config.json may rename them, nothing else."""
+    io = {
+        **(_get(genai, "model", "decoder", "inputs") or {}),
+        **(_get(genai, "model", "decoder", "outputs") or {}),
+    }
+    for key, fixed in (
+        ("input_ids", INPUT_IDS),
+        ("attention_mask", ATTENTION_MASK),
+        ("position_ids", POSITION_IDS),
+        ("logits", LOGITS),
+    ):
+        if io.get(key, fixed) != fixed:
+            raise ModelLoadError(
+                f"{GENAI_CONFIG_FILE}: tensor '{key}' renamed to {io[key]!r} is not supported "
+                f"(the engine uses '{fixed}')"
+            )
+    patterns = {}
+    for key, default in (
+        ("past_key_names", PAST_KEY),
+        ("past_value_names", PAST_VALUE),
+        ("present_key_names", PRESENT_KEY),
+        ("present_value_names", PRESENT_VALUE),
+    ):
+        pattern = io.get(key, default)
+        if not isinstance(pattern, str) or pattern.count("%d") != 1:
+            raise ModelLoadError(
+                f"{GENAI_CONFIG_FILE}: {key} must contain '%d' once, got {pattern!r}"
+            )
+        patterns[key] = pattern
+    return patterns
+
+
+def _match_layers(pattern: str, names: Iterator[str] | list[str]) -> dict[int, str]:
+    regex = re.compile(re.escape(pattern).replace("%d", r"(0|[1-9][0-9]*)"))
+    found = {}
+    for name in names:
+        m = regex.fullmatch(name)
+        if m:
+            found[int(m.group(1))] = name
+    return found
+
+
+def _pair_kv(
+    model_file: str,
+    inputs: Mapping[str, _Tensor],
+    outputs: Mapping[str, _Tensor],
+    names: Mapping[str, str],
+) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
+    pk_pat, pv_pat = names["past_key_names"], names["past_value_names"]
+    prk_pat, prv_pat = names["present_key_names"], names["present_value_names"]
+    past_k = _match_layers(pk_pat, list(inputs))
+    past_v = _match_layers(pv_pat, list(inputs))
+    present_k = _match_layers(prk_pat, list(outputs))
+    present_v = _match_layers(prv_pat, list(outputs))
+
+    known = {INPUT_IDS, ATTENTION_MASK, POSITION_IDS, *past_k.values(), *past_v.values()}
+    for name in inputs:
+        if name not in known:
+            raise ModelLoadError(
+                f"{model_file}: unsupported graph input '{name}' (the engine feeds "
+                f"{INPUT_IDS}, {ATTENTION_MASK}, {POSITION_IDS}, {pk_pat}, {pv_pat})"
+            )
+
+    layers = sorted(set(past_k) | set(past_v) | set(present_k) | set(present_v))
+    if not layers:
+        raise ModelLoadError(
+            f"{model_file}: graph has no KV-cache inputs ('{pk_pat % 0}'); "
+            "the engine needs a decoder with past/present KV"
+        )
+    for i in layers:
+        for a, a_pat, b, b_pat in (
+            (past_k, pk_pat, present_k, prk_pat),
+            (present_k, prk_pat, past_k, pk_pat),
+            (past_v, pv_pat, present_v, prv_pat),
+            (present_v, prv_pat, past_v, pv_pat),
+            (past_k, pk_pat, past_v, pv_pat),
+            (past_v, pv_pat, past_k, pk_pat),
+        ):
+            if i in a and i not in b:
+                raise ModelLoadError(f"unpaired KV: {a_pat % i} has no {b_pat % i}")
+    if layers != list(range(len(layers))):
+        missing = next(i for i in range(len(layers)) if i not in past_k)
+        raise ModelLoadError(
+            f"KV layer indices are not contiguous from 0: "
+            f"have {', '.join(map(str, layers))}; {pk_pat % missing} is missing"
+        )
+    return (
+        tuple((past_k[i], past_v[i]) for i in layers),
+        tuple((present_k[i], present_v[i]) for i in layers),
+    )
+
+
+def _kv_dtype(tensors: list[_Tensor]) -> str:
+    first: _Tensor | None = None
+    for t in tensors:
+        if t.shape is not None and len(t.shape) != 4:
+            raise ModelLoadError(
+                f"{t.name}: KV rank {len(t.shape)}, expected 4 [batch, kv_heads, seq, head_dim]"
+            )
+        if t.elem_type == 0:
+            continue  # an output with no declared type; ORT will tell us at run time
+        if t.elem_type not in _KV_DTYPES:
+            raise ModelLoadError(
+                f"{t.name}: KV dtype {_dtype_name(t.elem_type)} is not supported "
+                "(float32 or float16)"
+            )
+        if first is None:
+            first = t
+        elif t.elem_type != first.elem_type:
+            raise ModelLoadError(
+                f"KV dtype mismatch: {first.name} is {_dtype_name(first.elem_type)} "
+                f"but {t.name} is {_dtype_name(t.elem_type)}"
+            )
+    if first is None:
+        raise ModelLoadError(f"{tensors[0].name}: KV tensor declares no element type")
+    return _KV_DTYPES[first.elem_type]
+
+
+def _kv_dim(
+    past: list[_Tensor],
+    axis: int,
+    what: str,
+    genai_value: Any,
+    meta_value: Any,
+    config_key: str,
+) -> int:
+    """A KV dimension from the static dims of the past inputs, else from a config."""
+    static: tuple[str, int] | None = None  # (tensor name, size)
+    for t in past:
+        dim = t.shape[axis] if t.shape is not None else None
+        if not isinstance(dim, int) or dim <= 0:
+            continue
+        if static is None:
+            static = (t.name, dim)
+        elif dim != static[1]:
+            raise ModelLoadError(
+                f"KV shape mismatch: {static[0]} has {what} {static[1]} but {t.name} has {dim}"
+            )
+    if static is not None:
+        return static[1]
+    value = _opt_int(_first(genai_value, meta_value), config_key)
+    if value is None or value <= 0:
+        raise ModelLoadError(
+            f"{past[0].name}: dim {axis} ({what}) is not static and no config gives {config_key}"
+        )
+    return value
+
+
+def _check_logits(logits: _Tensor) -> tuple[int | None, Dim]:
+    """Return (static vocab size or None, seq dim) of ``logits`` ``[batch, seq, vocab]``."""
+    if logits.elem_type not in (0, *_KV_DTYPES):
+        raise ModelLoadError(
+            f"{LOGITS}: must be float32 or float16, got {_dtype_name(logits.elem_type)}"
+        )
+    if logits.shape is None:
+        return None, None
+    if len(logits.shape) != 3:
+        raise ModelLoadError(f"{LOGITS}: rank {len(logits.shape)}, expected 3 [batch, seq, vocab]")
+    vocab = logits.shape[2]
+    return (vocab if isinstance(vocab, int) and vocab > 0 else None), logits.shape[1]
+
+
+def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _graphs(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    yield from _graphs(g)
+
+
+def _all_nodes(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
+    for graph in _graphs(model.graph):
+        yield from graph.node
+    for function in model.functions:
+        yield from function.node
+
+
+def _all_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    for graph in _graphs(model.graph):
+        yield from graph.initializer
+        for sparse in graph.sparse_initializer:
+            yield sparse.values
+            yield sparse.indices
+        for node in graph.node:
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.TENSOR:
+                    yield attr.t
+                elif attr.type == onnx.AttributeProto.TENSORS:
+                    yield from attr.tensors
+
+
+def _external_data_sizes(model: onnx.ModelProto, onnx_path: Path) -> dict[str, int]:
+    """(location → size in bytes) of every external-data file the graph names."""
+    locations = set()
+    for tensor in _all_tensors(model):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            for entry in tensor.external_data:
+                if entry.key == "location":
+                    locations.add(entry.value)
+    sizes = {}
+    for location in sorted(locations):
+        file = onnx_path.parent / location
+        if not file.is_file():
+            raise ModelLoadError(
+                f"{location}: external data file named by {onnx_path.name} is missing"
+            )
+        sizes[location] = file.stat().st_size
+    return sizes
+
+
+def _fingerprint(graph_bytes: bytes, external_sizes: Mapping[str, int]) -> str:
+    """blake2b over the graph bytes and each external file's (name, size) — DESIGN.md §4.
+
+    Weights are not hashed (they can be gigabytes); a re-export changes the graph
+    bytes or the data sizes. Every field is length-prefixed so no two inputs collide.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    h.update(_FINGERPRINT_VERSION)
+    h.update(len(graph_bytes).to_bytes(8, "little"))
+    h.update(graph_bytes)
+    for location, size in sorted(external_sizes.items()):
+        name = location.encode("utf-8")
+        h.update(len(name).to_bytes(8, "little"))
+        h.update(name)
+        h.update(size.to_bytes(8, "little"))
+    return h.hexdigest()
+
+
+# --- config files ----------------------------------------------------------------------
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path.name}: cannot read ({e})") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path.name}: expected a JSON object at the top level")
+    return data
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ModelLoadError(f"{path.name}: cannot read ({e})") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path.name}: expected a mapping at the top level")
+    return data
+
+
+def _get(data: Any, *keys: str) -> Any:
+    for key in keys:
+        if not isinstance(data, Mapping):
+            return None
+        data = data.get(key)
+    return data
+
+
+def _first(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _opt_int(value: Any, key: str) -> int | None:
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise ModelLoadError(f"{key}: expected an integer in the model config, got {value!r}")
+    return int(value)
+
+
+def _as_ids(value: Any, key: str) -> tuple[int, ...]:
+    """A token id given as an int or a list of ints (genai_config allows both)."""
+    if _is_int(value):
+        return (int(value),)
+    if isinstance(value, list) and all(_is_int(v) for v in value):
+        return tuple(int(v) for v in value)
+    raise ModelLoadError(
+        f"{key}: expected an integer or a list of integers in the model config, got {value!r}"
+    )
+
+
+def special_token_text(value: Any) -> str | None:
+    """tokenizer_config.json writes special tokens as a string or {"content": ...}."""
+    if isinstance(value, str):
+        return value
+    content = _get(value, "content")
+    return content if isinstance(content, str) else None
+
+
+class _LazyTokenizer:
+    """Loads tokenizer.json only if a value must come from it (it can take 100s of ms)."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._inner: Any = None
+
+    def get(self) -> Any:
+        if self._inner is None:
+            import tokenizers
+
+            try:
+                self._inner = tokenizers.Tokenizer.from_file(str(self._path))
+            except Exception as e:  # tokenizers raises a bare Exception on bad files
+                raise ModelLoadError(f"{self._path.name}: cannot load tokenizer ({e})") from e
+        return self._inner
+
+    def token_id(self, text: str | None) -> int | None:
+        if text is None:
+            return None
+        token_id = self.get().token_to_id(text)
+        return None if token_id is None else int(token_id)
+
+
+def _eos_ids(
+    genai: Mapping[str, Any],
+    meta: Mapping[str, Any],
+    gen_cfg: Mapping[str, Any],
+    tok_cfg: Mapping[str, Any],
+    tokenizer: _LazyTokenizer,
+) -> tuple[int, ...]:
+    value = _first(
+        _get(genai, "model", "eos_token_id"),
+        _get(meta, "tokens", "eos_token_id"),
+        _get(meta, "model", "eos_token_id"),
+        _get(gen_cfg, "eos_token_id"),
+    )
+    if value is not None:
+        return tuple(dict.fromkeys(_as_ids(value, "eos_token_id")))
+    configured = tokenizer.token_id(special_token_text(_get(tok_cfg, "eos_token")))
+    if configured is not None:
+        return (configured,)
+    found = (tokenizer.token_id(text) for text in EOS_TOKEN_CANDIDATES)
+    return tuple(dict.fromkeys(i for i in found if i is not None))
+
+
+def _sampling_defaults(genai: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str, float | int]:
+    """Model-author defaults; applying them (or not, for greedy requests) is the engine's call."""
+    defaults: dict[str, float | int] = {}
+    for key in SAMPLING_KEYS:
+        value = _first(_get(genai, "search", key), _get(meta, "generation", key))
+        if value is None:
+            continue
+        if key == "top_k":
+            ok = _is_int(value)
+        else:
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if not ok:
+            raise ModelLoadError(
+                f"search.{key}: expected a number in the model config, got {value!r}"
+            )
+        defaults[key] = int(value) if key == "top_k" else float(value)
+    do_sample = _first(_get(genai, "search", "do_sample"), _get(meta, "generation", "do_sample"))
+    if isinstance(do_sample, bool):
+        # Author defaults are meant for sampling only when the config says it samples.
+        defaults["do_sample"] = int(do_sample)
+    return defaults
+
+
+def find_chat_template(root: Path, tok_cfg: Mapping[str, Any]) -> str | None:
+    template = tok_cfg.get("chat_template")
+    if isinstance(template, list):
+        # Multi-template form: [{"name": "default", "template": "..."}, ...]
+        by_name = {_get(t, "name"): _get(t, "template") for t in template}
+        template = by_name.get("default")
+    if isinstance(template, str) and template:
+        return template
+    file = root / CHAT_TEMPLATE_FILE
+    if file.is_file():
+        try:
+            return file.read_text(encoding="utf-8") or None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{CHAT_TEMPLATE_FILE}: cannot read ({e})") from e
+    return None

@@ -1,0 +1,206 @@
+"""Model runners: turn "compute these tokens of these sequences" into logits.
+
+One interface, implementations per KV strategy (DESIGN §3). A runner owns the
+KV of every sequence it runs, keyed by the engine's ``seq_id``; the engine
+only moves KV in and out as host arrays (prefix hits, session parking).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnxruntime as ort
+
+from ..config import RunnerConfig
+from .model_dir import ModelSpec
+from .prefix_cache import KvLayers
+
+
+@dataclass(frozen=True)
+class StepItem:
+    """Compute ``token_ids`` for sequence ``seq_id``, whose KV currently covers
+    exactly ``start`` tokens (positions ``start .. start+len-1``)."""
+
+    seq_id: int
+    token_ids: Sequence[int]
+    start: int
+
+
+class ModelRunner(ABC):
+    """Contract: ``run`` computes each item's tokens, extends that sequence's KV
+    by them, and returns the logits of each item's last token as ``[items,
+    vocab]`` float32, in item order. KV of sequences not in the step is left
+    untouched. ``read_kv``/``write_kv`` move KV as per-layer ``(K, V)`` host
+    arrays ``[kv_heads, tokens, head_dim]``.
+    """
+
+    kind: str
+
+    @abstractmethod
+    def run(self, items: Sequence[StepItem]) -> np.ndarray: ...
+
+    @abstractmethod
+    def kv_len(self, seq_id: int) -> int:
+        """Tokens of KV held for ``seq_id`` (0 if none)."""
+
+    @abstractmethod
+    def read_kv(self, seq_id: int, start: int, end: int) -> KvLayers:
+        """A copy of the KV of positions ``start:end``."""
+
+    @abstractmethod
+    def write_kv(self, seq_id: int, layers: KvLayers) -> None:
+        """Make ``layers`` the whole KV of ``seq_id`` (which must hold none)."""
+
+    @abstractmethod
+    def release(self, seq_id: int) -> None:
+        """Free everything held for ``seq_id`` (no-op if nothing is)."""
+
+
+def make_session_options(config: RunnerConfig) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if config.intra_op_threads:
+        options.intra_op_num_threads = config.intra_op_threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    return options
+
+
+class PastPresentRunner(ModelRunner):
+    """Any decoder with ``past_key_values.*`` inputs and ``present.*`` outputs.
+
+    Each sequence keeps its own per-layer KV arrays (the previous step's
+    ``present``). Decodes of several sequences run as one padded batch:
+    left-padded for plain attention graphs (the mask hides the padding and
+    ``position_ids`` carry each row's true positions), right-padded for
+    GroupQueryAttention graphs (which read each row's length from the mask).
+    Prefill chunks run one sequence at a time.
+    """
+
+    kind = "past_present"
+
+    def __init__(self, spec: ModelSpec, config: RunnerConfig) -> None:
+        self.spec = spec
+        self.session = ort.InferenceSession(
+            str(spec.onnx_path), make_session_options(config), providers=["CPUExecutionProvider"]
+        )
+        self._dtype = np.dtype(spec.kv.dtype)
+        self._right_pad = spec.uses_gqa
+        self._output_names = ["logits"] + [n for pair in spec.present_names for n in pair]
+        self._kv: dict[int, KvLayers] = {}
+
+    # -- KV bookkeeping -------------------------------------------------------
+
+    def kv_len(self, seq_id: int) -> int:
+        layers = self._kv.get(seq_id)
+        return 0 if not layers else int(layers[0][0].shape[1])
+
+    def read_kv(self, seq_id: int, start: int, end: int) -> KvLayers:
+        layers = self._kv[seq_id]
+        return [(k[:, start:end].copy(), v[:, start:end].copy()) for k, v in layers]
+
+    def write_kv(self, seq_id: int, layers: KvLayers) -> None:
+        if self.kv_len(seq_id):
+            raise ValueError(f"sequence {seq_id} already holds KV")
+        self._kv[seq_id] = [
+            (np.ascontiguousarray(k, self._dtype), np.ascontiguousarray(v, self._dtype))
+            for k, v in layers
+        ]
+
+    def release(self, seq_id: int) -> None:
+        self._kv.pop(seq_id, None)
+
+    def _empty_kv(self) -> KvLayers:
+        kv = self.spec.kv
+        empty = np.zeros((kv.num_kv_heads, 0, kv.head_dim), self._dtype)
+        return [(empty, empty) for _ in range(kv.num_layers)]
+
+    # -- compute --------------------------------------------------------------
+
+    def run(self, items: Sequence[StepItem]) -> np.ndarray:
+        for item in items:
+            held = self.kv_len(item.seq_id)
+            if held != item.start:
+                raise ValueError(
+                    f"sequence {item.seq_id}: step starts at {item.start} but {held} tokens of KV"
+                )
+        logits = np.empty((len(items), self._vocab_dim()), np.float32)
+        decodes = [i for i, item in enumerate(items) if len(item.token_ids) == 1]
+        for i, item in enumerate(items):
+            if len(item.token_ids) != 1:
+                logits[i] = self._run_batch([item])[0]
+        # A lone decode needs no padding; several run as one padded batch.
+        if decodes:
+            logits[decodes] = self._run_batch([items[i] for i in decodes])
+        return logits
+
+    def _vocab_dim(self) -> int:
+        return self.spec.vocab_size
+
+    def _run_batch(self, items: Sequence[StepItem]) -> np.ndarray:
+        """One ORT call; all items have the same number of new tokens."""
+        spec = self.spec
+        batch = len(items)
+        n_new = len(items[0].token_ids)
+        pasts = [self._kv.get(item.seq_id) or self._empty_kv() for item in items]
+        lens = [item.start for item in items]
+        max_past = max(lens)
+        total = max_past + n_new
+
+        feeds: dict[str, np.ndarray] = {
+            "input_ids": np.asarray([list(item.token_ids) for item in items], np.int64)
+        }
+        # [batch, total]: 1 where a key position holds a real token.
+        mask = np.zeros((batch, total), np.int64)
+        positions = np.empty((batch, n_new), np.int64)
+        pads = [max_past - n for n in lens]
+        for b, n in enumerate(lens):
+            positions[b] = np.arange(n, n + n_new)
+            if self._right_pad:
+                mask[b, : n + n_new] = 1
+            else:
+                mask[b, pads[b] :] = 1
+        if spec.has_attention_mask:
+            feeds["attention_mask"] = mask
+        if spec.has_position_ids:
+            feeds["position_ids"] = positions
+
+        for layer, (k_name, v_name) in enumerate(spec.past_names):
+            if batch == 1:
+                k, v = pasts[0][layer]
+                feeds[k_name] = k[None]
+                feeds[v_name] = v[None]
+                continue
+            # [batch, kv_heads, max_past, head_dim], padding rows zero.
+            shape = (batch, spec.kv.num_kv_heads, max_past, spec.kv.head_dim)
+            k_batch = np.zeros(shape, self._dtype)
+            v_batch = np.zeros(shape, self._dtype)
+            for b, past in enumerate(pasts):
+                k, v = past[layer]
+                lo = 0 if self._right_pad else pads[b]
+                k_batch[b, :, lo : lo + lens[b]] = k
+                v_batch[b, :, lo : lo + lens[b]] = v
+            feeds[k_name] = k_batch
+            feeds[v_name] = v_batch
+
+        outputs = self.session.run(self._output_names, feeds)
+        logits = outputs[0]  # [batch, seq or 1, vocab]
+        presents = outputs[1:]
+        for b, item in enumerate(items):
+            lo = 0 if (self._right_pad or batch == 1) else pads[b]
+            hi = lo + lens[b] + n_new
+            self._kv[item.seq_id] = [
+                (presents[2 * layer][b, :, lo:hi], presents[2 * layer + 1][b, :, lo:hi])
+                for layer in range(spec.kv.num_layers)
+            ]
+        return np.asarray(logits[:, -1, :], np.float32)
+
+
+def create_runner(spec: ModelSpec, config: RunnerConfig) -> ModelRunner:
+    """Pick the runner the graph allows (``config.runner`` may force one)."""
+    if config.runner == "shared_buffer":
+        raise ValueError("runner: shared_buffer is not available for this model yet")
+    return PastPresentRunner(spec, config)

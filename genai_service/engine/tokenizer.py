@@ -1,0 +1,190 @@
+"""Tokenizer: text ↔ token ids, and chat messages → prompt text via the model's template.
+
+Wraps a ``tokenizers.Tokenizer`` loaded from ``tokenizer.json``. The chat
+template is rendered the way HF transformers renders it (sandboxed jinja2,
+``trim_blocks`` and ``lstrip_blocks``), so a template written for transformers
+gives the same prompt here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, NoReturn
+
+import jinja2
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from genai_service.engine.model_dir import (
+    TOKENIZER_CONFIG_FILE,
+    TOKENIZER_FILE,
+    ModelSpec,
+    find_chat_template,
+    read_json,
+    special_token_text,
+)
+from genai_service.errors import InvalidArgument, ModelLoadError
+
+
+class Tokenizer:
+    """Encode, decode and render chat prompts for one model."""
+
+    def __init__(
+        self,
+        inner: tokenizers.Tokenizer,
+        *,
+        chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+    ) -> None:
+        self.inner = inner  # the raw tokenizers object (the detokenizer uses it)
+        self.vocab_size: int = inner.get_vocab_size(with_added_tokens=True)
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self._special_ids = frozenset(
+            int(i) for i, tok in inner.get_added_tokens_decoder().items() if tok.special
+        )
+        self._compiled: jinja2.Template | None = None
+
+    @classmethod
+    def from_dir(cls, path: str | Path, spec: ModelSpec | None = None) -> Tokenizer:
+        """Load ``tokenizer.json`` (+ ``tokenizer_config.json``) from a model directory.
+
+        With ``spec``, its chat template and BOS/EOS ids are used; otherwise the
+        template comes from tokenizer_config.json or chat_template.jinja.
+        """
+        root = Path(path)
+        file = root / TOKENIZER_FILE
+        if not file.is_file():
+            raise ModelLoadError(f"{file}: tokenizer file not found")
+        try:
+            inner = tokenizers.Tokenizer.from_file(str(file))
+        except Exception as e:  # tokenizers raises a bare Exception on bad files
+            raise ModelLoadError(f"{file.name}: cannot load tokenizer ({e})") from e
+        tok_cfg = read_json(root / TOKENIZER_CONFIG_FILE)
+        bos = special_token_text(tok_cfg.get("bos_token"))
+        eos = special_token_text(tok_cfg.get("eos_token"))
+        if spec is None:
+            template = find_chat_template(root, tok_cfg)
+        else:
+            template = spec.chat_template
+            # Templates that print bos_token/eos_token need the text; fall back to the ids.
+            if bos is None and spec.bos_token_id is not None:
+                bos = inner.id_to_token(spec.bos_token_id)
+            if eos is None and spec.eos_token_ids:
+                eos = inner.id_to_token(spec.eos_token_ids[0])
+        return cls(inner, chat_template=template, bos_token=bos, eos_token=eos)
+
+    # --- tokens ------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.inner.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self.inner.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_text(self, token_id: int) -> str:
+        """Display text of one token (for logprobs).
+
+        A byte-level piece that is not complete UTF-8 on its own decodes with
+        replacement characters; special tokens show their text.
+        """
+        return str(self.inner.decode([token_id], skip_special_tokens=False))
+
+    def special_token_ids(self) -> set[int]:
+        return set(self._special_ids)
+
+    # --- chat --------------------------------------------------------------------------
+
+    def has_chat_template(self) -> bool:
+        return bool(self.chat_template)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """Render ``messages`` (each with ``role`` and ``content``) into prompt text.
+
+        The template writes the special tokens itself (BOS, turn markers), so
+        callers encode the result with ``add_special_tokens=False``.
+
+        Raises ``InvalidArgument`` when the model has no template, a message is
+        malformed, or the template rejects the conversation.
+        """
+        if not self.chat_template:
+            raise InvalidArgument(
+                "messages: this model has no chat template; send text or token_ids instead"
+            )
+        checked = _check_messages(messages)
+        variables: dict[str, Any] = {
+            "messages": checked,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        if self.bos_token is not None:
+            variables["bos_token"] = self.bos_token
+        if self.eos_token is not None:
+            variables["eos_token"] = self.eos_token
+        try:
+            if self._compiled is None:
+                self._compiled = _environment().from_string(self.chat_template)
+            return self._compiled.render(**variables)
+        except jinja2.TemplateError as e:
+            raise InvalidArgument(f"messages: chat template error: {e}") from e
+        except Exception as e:  # a template tripping over unexpected input is still bad input
+            raise InvalidArgument(f"messages: chat template error: {type(e).__name__}: {e}") from e
+
+
+def _check_messages(messages: Sequence[Mapping[str, str]]) -> list[dict[str, Any]]:
+    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
+        raise InvalidArgument("messages: must be a list of {role, content} messages")
+    if not messages:
+        raise InvalidArgument("messages: must not be empty")
+    checked = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise InvalidArgument(f"messages[{i}]: must be a mapping with role and content")
+        for key in ("role", "content"):
+            if key not in message:
+                raise InvalidArgument(f"messages[{i}].{key}: missing")
+            if not isinstance(message[key], str):
+                raise InvalidArgument(
+                    f"messages[{i}].{key}: must be a string, got {type(message[key]).__name__}"
+                )
+        checked.append(dict(message))
+    return checked
+
+
+def _raise_exception(message: str) -> NoReturn:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # jinja2's own tojson HTML-escapes; chat templates expect plain JSON.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env

@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny models built once per test session (a few ms each)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_model import GQA_SPEC, TinyModelSpec, build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default tiny model: plain attention, RoPE, genai_config.json, 128 context."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"), TinyModelSpec())
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Variants the runners must all handle: plain/GQA attention, RoPE/learned positions."""
+    specs = {
+        "rope": TinyModelSpec(),
+        "learned": TinyModelSpec(positions="learned", config="inference_metadata"),
+        "gqa": GQA_SPEC,
+        "gqa-learned": dataclasses.replace(GQA_SPEC, positions="learned", config="none"),
+    }
+    return {name: build_tiny_model(tmp_path_factory.mktemp(name), s) for name, s in specs.items()}
+
+
+@pytest.fixture(scope="session")
+def short_context_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """max_sequence_length 16, declared in inference_metadata.yaml."""
+    spec = TinyModelSpec(max_seq_len=16, config="inference_metadata")
+    return build_tiny_model(tmp_path_factory.mktemp("short"), spec)

@@ -1,0 +1,421 @@
+"""Sampler unit tests on small hand-set distributions (no ONNX Runtime)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from genai_service.engine.request import SamplingParams
+from genai_service.engine.sampler import (
+    NUCLEUS_CANDIDATES,
+    SampleOutput,
+    SamplingRow,
+    penalize,
+    prepare,
+    sample,
+)
+
+# A known distribution over V=8: logits are log-probabilities.
+PROBS = np.array([0.40, 0.25, 0.15, 0.10, 0.05, 0.03, 0.015, 0.005])
+LOGITS = np.log(PROBS).astype(np.float32)
+N_DRAWS = 2000
+TOL = 0.035  # ~3.5 sigma of a frequency estimated from 2000 draws
+
+
+def make_row(
+    params: SamplingParams | None = None,
+    seed: int = 0,
+    prompt: Sequence[int] = (),
+    output: Sequence[int] = (),
+    **kwargs: object,
+) -> SamplingRow:
+    return SamplingRow(
+        params=params or SamplingParams(),
+        rng=np.random.default_rng(seed),
+        prompt_token_ids=prompt,
+        output_token_ids=output,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def run(logits: np.ndarray, rows: Sequence[SamplingRow]) -> SampleOutput:
+    batch = np.asarray(logits, dtype=np.float32).reshape(len(rows), -1)
+    return sample(batch, prepare(rows))
+
+
+def draws(params: SamplingParams, n: int = N_DRAWS, seed: int = 0, **kwargs: object) -> np.ndarray:
+    """``n`` consecutive steps of one request (one generator) on LOGITS."""
+    row = make_row(params, seed=seed, **kwargs)
+    args = prepare([row])
+    logits = LOGITS[None, :]
+    return np.array([sample(logits, args).token_ids[0] for _ in range(n)])
+
+
+def frequencies(tokens: np.ndarray, vocab: int = 8) -> np.ndarray:
+    return np.bincount(tokens, minlength=vocab) / tokens.size
+
+
+def renormalised(keep: Sequence[int], probs: np.ndarray = PROBS) -> np.ndarray:
+    out = np.zeros_like(probs)
+    out[list(keep)] = probs[list(keep)]
+    return out / out.sum()
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+# --- greedy -----------------------------------------------------------------
+
+
+def test_greedy_is_argmax_and_ties_pick_lowest_id() -> None:
+    logits = np.array(
+        [LOGITS, LOGITS[::-1], [0.0, 3.0, 1.0, 3.0, 3.0, -1.0, 0.0, 0.0]], dtype=np.float32
+    )
+    for params in (SamplingParams(), SamplingParams(temperature=0.0)):
+        out = run(logits, [make_row(params) for _ in range(3)])
+        assert out.token_ids.tolist() == [0, 7, 1]
+        assert out.token_ids.dtype == np.int64
+        assert out.logprobs is None
+        assert all(t.size == 0 for t in out.top_token_ids)
+
+
+def test_greedy_rows_draw_nothing_and_sampled_rows_draw_once_per_step() -> None:
+    greedy, sampled = make_row(seed=5), make_row(SamplingParams(temperature=1.0), seed=5)
+    args = prepare([greedy, sampled])
+    for _ in range(3):
+        sample(np.stack([LOGITS, LOGITS]), args)
+    reference = np.random.default_rng(5)
+    assert greedy.rng.random() == reference.random()
+    reference = np.random.default_rng(5)
+    reference.random(3)
+    assert sampled.rng.random() == reference.random()
+
+
+def test_caller_logits_are_not_modified() -> None:
+    logits = np.stack([LOGITS, LOGITS])
+    before = logits.copy()
+    params = SamplingParams(
+        temperature=0.8,
+        top_k=3,
+        top_p=0.9,
+        min_p=0.05,
+        repetition_penalty=1.5,
+        frequency_penalty=0.5,
+        presence_penalty=0.5,
+    )
+    rows = [
+        make_row(params, prompt=[0, 1], output=[1, 2, 2], banned_token_ids=[3]),
+        make_row(SamplingParams(repetition_penalty=2.0), prompt=[0], banned_token_ids=[1]),
+    ]
+    run(logits, rows)
+    np.testing.assert_array_equal(logits, before)
+
+
+# --- temperature --------------------------------------------------------------
+
+
+def test_low_temperature_is_almost_always_argmax() -> None:
+    assert set(draws(SamplingParams(temperature=0.01), n=300).tolist()) == {0}
+
+
+def test_temperature_two_spreads_to_analytic_frequencies() -> None:
+    tokens = draws(SamplingParams(temperature=2.0))
+    expected = np.sqrt(PROBS) / np.sqrt(PROBS).sum()  # softmax(log p / 2)
+    np.testing.assert_allclose(frequencies(tokens), expected, atol=TOL)
+    assert frequencies(tokens)[0] < PROBS[0] - 0.05  # flatter than temperature 1
+
+
+def test_temperature_one_matches_the_model_distribution() -> None:
+    np.testing.assert_allclose(frequencies(draws(SamplingParams(temperature=1.0))), PROBS, atol=TOL)
+
+
+# --- truncation ----------------------------------------------------------------
+
+
+def test_top_k_never_samples_outside_the_top_k() -> None:
+    tokens = draws(SamplingParams(temperature=1.0, top_k=2))
+    assert set(tokens.tolist()) == {0, 1}
+    np.testing.assert_allclose(frequencies(tokens), renormalised([0, 1]), atol=TOL)
+
+
+@pytest.mark.parametrize(
+    ("top_p", "nucleus"),
+    [(0.3, [0]), (0.6, [0, 1]), (0.7, [0, 1, 2]), (0.85, [0, 1, 2, 3]), (0.0, [0])],
+)
+def test_top_p_keeps_exactly_the_expected_nucleus(top_p: float, nucleus: list[int]) -> None:
+    tokens = draws(SamplingParams(temperature=1.0, top_p=top_p))
+    assert set(tokens.tolist()) == set(nucleus)
+    np.testing.assert_allclose(frequencies(tokens), renormalised(nucleus), atol=TOL)
+
+
+def test_top_p_applies_to_the_distribution_renormalised_after_top_k() -> None:
+    # After top_k=2 the top token holds 0.40 / 0.65 = 0.615 >= 0.6 on its own;
+    # on the unrenormalised distribution the nucleus would be {0, 1}.
+    assert set(draws(SamplingParams(temperature=1.0, top_k=2, top_p=0.6)).tolist()) == {0}
+
+
+@pytest.mark.parametrize(("min_p", "kept"), [(0.3, [0, 1, 2]), (0.2, [0, 1, 2, 3]), (0.7, [0])])
+def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability(
+    min_p: float, kept: list[int]
+) -> None:
+    tokens = draws(SamplingParams(temperature=1.0, min_p=min_p))
+    assert set(tokens.tolist()) == set(kept)
+    np.testing.assert_allclose(frequencies(tokens), renormalised(kept), atol=TOL)
+
+
+def test_top_p_nucleus_wider_than_the_partitioned_candidates() -> None:
+    # A flat distribution: the 0.5-nucleus holds ~half of 4096 tokens, more
+    # than NUCLEUS_CANDIDATES, so the full-sort path decides the cut.
+    v = 4096
+    assert v // 2 > NUCLEUS_CANDIDATES
+    logits = np.random.default_rng(3).uniform(0.0, 0.1, v).astype(np.float32)
+    probs = np.exp(logits.astype(np.float64))
+    probs /= probs.sum()
+    order = np.argsort(-probs, kind="stable")
+    size = int(np.searchsorted(np.cumsum(probs[order]), 0.5)) + 1
+    nucleus = set(order[:size].tolist())
+    args = prepare([make_row(SamplingParams(temperature=1.0, top_p=0.5), seed=1)])
+    seen = {int(sample(logits[None, :], args).token_ids[0]) for _ in range(300)}
+    assert seen <= nucleus
+    assert len(seen) > 200  # still spread over the wide nucleus
+
+
+def test_neutral_values_are_exact_no_ops() -> None:
+    neutral = SamplingParams(
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        min_p=0.0,
+        repetition_penalty=1.0,
+        frequency_penalty=0.0,
+        presence_penalty=0.0,
+    )
+    plain = SamplingParams(temperature=1.0)
+    kwargs = {"prompt": [0, 1], "output": [0, 2, 2]}
+    np.testing.assert_array_equal(draws(neutral, n=200, **kwargs), draws(plain, n=200, **kwargs))
+    top_k_vocab = SamplingParams(temperature=1.0, top_k=8)
+    np.testing.assert_array_equal(draws(top_k_vocab, n=200), draws(plain, n=200))
+    args = prepare([make_row(neutral, **kwargs)])
+    logits = LOGITS[None, :]
+    assert penalize(logits, args) is logits
+
+
+# --- penalties -------------------------------------------------------------------
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits() -> None:
+    logits = np.array([[2.0, -1.0, 0.5, -0.5, 3.0, 0.0, 1.0, 1.0]], dtype=np.float32)
+    row = make_row(SamplingParams(repetition_penalty=2.0), prompt=[0, 1, 5], output=[2, 1])
+    got = penalize(logits, prepare([row]))
+    # seen (prompt + output): 0, 1, 2, 5
+    np.testing.assert_array_equal(got, [[1.0, -2.0, 0.25, -0.5, 3.0, 0.0, 1.0, 1.0]])
+    # greedy still applies penalties: the prompt's favourite token loses
+    greedy = np.array([[2.0, 1.5, 0, 0, 0, 0, 0, 0]], dtype=np.float32)
+    assert run(greedy, [make_row()]).token_ids[0] == 0
+    rep = make_row(SamplingParams(repetition_penalty=2.0), prompt=[0])
+    assert run(greedy, [rep]).token_ids[0] == 1
+
+
+def test_frequency_penalty_scales_with_count_presence_does_not() -> None:
+    logits = np.zeros((1, 8), dtype=np.float32)
+    history = {"prompt": [6, 6], "output": [3, 3, 3, 5]}
+    freq = penalize(logits, prepare([make_row(SamplingParams(frequency_penalty=0.5), **history)]))
+    pres = penalize(logits, prepare([make_row(SamplingParams(presence_penalty=0.5), **history)]))
+    both = penalize(
+        logits,
+        prepare([make_row(SamplingParams(frequency_penalty=0.5, presence_penalty=1.0), **history)]),
+    )
+    np.testing.assert_array_equal(freq[0], [0, 0, 0, -1.5, 0, -0.5, 0, 0])
+    np.testing.assert_array_equal(pres[0], [0, 0, 0, -0.5, 0, -0.5, 0, 0])
+    np.testing.assert_array_equal(both[0], [0, 0, 0, -2.5, 0, -1.5, 0, 0])  # prompt untouched
+
+    # The difference decides the greedy choice: token 3 repeated three times.
+    greedy = np.array([[0, 0, 0, 2.0, 0, 1.2, 0, 0]], dtype=np.float32)
+    by_freq = make_row(SamplingParams(frequency_penalty=0.5), **history)
+    by_pres = make_row(SamplingParams(presence_penalty=0.5), **history)
+    assert run(greedy, [by_freq]).token_ids[0] == 5  # 2.0 - 1.5 < 1.2 - 0.5
+    assert run(greedy, [by_pres]).token_ids[0] == 3  # 2.0 - 0.5 > 1.2 - 0.5
+
+
+def test_banned_ids_are_never_chosen() -> None:
+    assert run(LOGITS, [make_row(banned_token_ids=[0])]).token_ids[0] == 1
+    tokens = draws(SamplingParams(temperature=1.0), banned_token_ids=[0, 1])
+    assert not {0, 1} & set(tokens.tolist())
+    np.testing.assert_allclose(frequencies(tokens), renormalised(range(2, 8)), atol=TOL)
+
+
+def test_out_of_vocabulary_ids_are_ignored() -> None:
+    row = make_row(SamplingParams(repetition_penalty=2.0), prompt=[0, 99], banned_token_ids=[-1, 8])
+    got = penalize(LOGITS[None, :], prepare([row]))
+    np.testing.assert_array_equal(got[0, 1:], LOGITS[1:])
+    assert got[0, 0] == LOGITS[0] * 2.0
+
+
+def test_everything_banned_falls_back_to_raw_argmax_without_nan() -> None:
+    everything = list(range(8))
+    rows = [
+        make_row(banned_token_ids=everything, want_logprobs=True),
+        make_row(SamplingParams(temperature=0.7, top_p=0.9, top_k=3), banned_token_ids=everything),
+        make_row(SamplingParams(temperature=1.0, min_p=1.5)),  # min_p > 1 empties the row
+    ]
+    out = run(np.stack([LOGITS] * 3), rows)
+    assert out.token_ids.tolist() == [0, 0, 0]
+    assert out.logprobs is not None and np.isfinite(out.logprobs).all()
+
+
+# --- reproducibility -----------------------------------------------------------
+
+
+def test_same_seed_same_tokens_different_seed_differs() -> None:
+    params = SamplingParams(temperature=1.5)
+    first = draws(params, n=100, seed=42)
+    np.testing.assert_array_equal(first, draws(params, n=100, seed=42))
+    assert not np.array_equal(first, draws(params, n=100, seed=43))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.0, top_k=20),
+        SamplingParams(temperature=1.2, min_p=0.05, repetition_penalty=1.3),
+        SamplingParams(temperature=1.0, top_p=0.95, top_k=2000, frequency_penalty=0.4),
+    ],
+)
+def test_a_rows_tokens_do_not_depend_on_the_rest_of_the_batch(params: SamplingParams) -> None:
+    v, steps = 3000, 12
+    gen = np.random.default_rng(11)
+    logits = [(gen.standard_normal(v) * 2).astype(np.float32) for _ in range(steps)]
+    others = [
+        SamplingParams(),
+        SamplingParams(temperature=0.5, top_p=0.5),
+        SamplingParams(temperature=1.0, top_k=5, presence_penalty=1.0),
+        SamplingParams(temperature=2.0, min_p=0.2),
+        SamplingParams(temperature=0.9, top_k=1500),
+    ]
+
+    def decode(batch_size: int) -> list[int]:
+        target = make_row(params, seed=7, prompt=[1, 2, 3], output=[], banned_token_ids=[4])
+        rows = [make_row(p, seed=100 + i, output=[9, 9]) for i, p in enumerate(others)]
+        tokens: list[int] = []
+        for step in range(steps):
+            pos = step % batch_size  # the target moves around the batch
+            batch_rows = rows[: batch_size - 1]
+            batch_rows.insert(pos, target)
+            batch = np.stack(
+                [
+                    logits[step] if r is target else gen.standard_normal(v).astype(np.float32)
+                    for r in batch_rows
+                ]
+            )
+            tokens.append(int(sample(batch, prepare(batch_rows)).token_ids[pos]))
+            target.output_token_ids = [*target.output_token_ids, tokens[-1]]
+        return tokens
+
+    alone = decode(1)
+    assert decode(4) == alone
+    assert decode(6) == alone
+
+
+# --- logprobs --------------------------------------------------------------------
+
+
+def test_logprobs_are_raw_log_softmax_with_sorted_alternatives() -> None:
+    gen = np.random.default_rng(0)
+    logits = (gen.standard_normal((4, 50)) * 2).astype(np.float32)
+    rows = [
+        make_row(
+            SamplingParams(temperature=0.5, top_k=3, repetition_penalty=1.5),
+            prompt=[1, 2],
+            want_logprobs=True,
+            top_logprobs=5,
+        ),
+        make_row(want_logprobs=True),
+        make_row(SamplingParams(temperature=1.0), top_logprobs=50, banned_token_ids=[0]),
+        make_row(SamplingParams(temperature=1.0)),
+    ]
+    out = run(logits, rows)
+    ref = log_softmax(logits)
+    assert out.logprobs is not None and out.logprobs.dtype == np.float32
+    for i in (0, 1, 2):
+        np.testing.assert_allclose(out.logprobs[i], ref[i, out.token_ids[i]], atol=1e-5)
+    for i, n in ((0, 5), (2, 50)):
+        ids, lps = out.top_token_ids[i], out.top_logprobs[i]
+        assert ids.dtype == np.int64 and lps.dtype == np.float32
+        np.testing.assert_array_equal(ids, np.argsort(-ref[i], kind="stable")[:n])
+        np.testing.assert_allclose(lps, ref[i, ids], atol=1e-5)
+        assert np.all(np.diff(lps) <= 0)
+    assert out.top_token_ids[1].size == 0 and out.top_logprobs[3].size == 0
+
+
+def test_top_alternatives_break_ties_by_lowest_id() -> None:
+    logits = np.array([[1.0, 2.0, 0.0, 2.0, 2.0, 1.0, 0.0, -1.0]], dtype=np.float32)
+    out = run(np.stack([logits, logits]), [make_row(top_logprobs=4), make_row(top_logprobs=2)])
+    assert out.top_token_ids[0].tolist() == [1, 3, 4, 0]
+    assert out.top_token_ids[1].tolist() == [1, 3]
+
+
+# --- properties and speed ----------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    logits=st.lists(st.integers(-3, 3), min_size=2, max_size=24),
+    data=st.data(),
+    temperature=st.floats(0.05, 3.0),
+    top_p=st.one_of(st.none(), st.floats(0.0, 1.0)),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_sampled_token_is_in_the_top_k_and_never_banned(
+    logits: list[int], data: st.DataObject, temperature: float, top_p: float | None, seed: int
+) -> None:
+    v = len(logits)
+    banned = data.draw(st.sets(st.integers(0, v - 1), max_size=v - 1))
+    top_k = data.draw(st.integers(1, v))
+    row = make_row(
+        SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+        seed=seed,
+        banned_token_ids=sorted(banned),
+    )
+    x = np.array(logits, dtype=np.float32)
+    token = int(run(x, [row]).token_ids[0])
+    assert token not in banned
+    allowed = np.sort(np.delete(x, sorted(banned)))[::-1]
+    assert x[token] >= allowed[min(top_k, allowed.size) - 1]  # ties at the k-th value kept
+
+
+def test_speed_of_a_large_vocabulary_batch(capsys: pytest.CaptureFixture[str]) -> None:
+    v = 49152
+    gen = np.random.default_rng(0)
+    greedy, nucleus = SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9)
+    cases = [
+        (16, "greedy", greedy),
+        (1, "greedy", greedy),
+        (8, "greedy", greedy),
+        (1, "temperature=0.7 top_p=0.9", nucleus),
+        (8, "temperature=0.7 top_p=0.9", nucleus),
+    ]
+    lines = []
+    for b, label, params in cases:
+        logits = (gen.standard_normal((b, v)) * 3).astype(np.float32)
+        args = prepare([make_row(params, seed=i) for i in range(b)])
+        out = sample(logits, args)
+        if params.greedy:
+            np.testing.assert_array_equal(out.token_ids, logits.argmax(axis=1))
+        reps = 20
+        start = time.perf_counter()
+        for _ in range(reps):
+            sample(logits, args)
+        ms = (time.perf_counter() - start) / reps * 1e3
+        lines.append(f"sample() B={b:<2} V={v} {label}: {ms:.3f} ms")
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))  # timing is reported, not asserted
