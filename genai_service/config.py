@@ -115,3 +115,28 @@ class EngineConfig:
             raise ValueError("model_dir must be set")
         if self.max_context_length is not None:
             _positive("max_context_length", self.max_context_length)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The ``genai-server`` process: the control plane plus its engine."""
+
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 50051
+    grace_period_s: float = 30.0  # in-flight streams may finish this long after SIGTERM
+    log_format: str = "console"  # "console" | "json"
+    max_message_bytes: int = 16 * 1024 * 1024  # gRPC receive/send limit per message
+    max_input_chars: int = 1_000_000  # text / messages size limit before tokenizing
+    engine_start_timeout_s: float = 900.0  # covers first-run conversion of the default model
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.grace_period_s < 0:
+            raise ValueError(f"grace_period_s must be >= 0, got {self.grace_period_s}")
+        if self.log_format not in ("console", "json"):
+            raise ValueError(f"log_format must be console or json, got {self.log_format!r}")
+        _positive("max_message_bytes", self.max_message_bytes)
+        _positive("max_input_chars", self.max_input_chars)
+        _positive("engine_start_timeout_s", self.engine_start_timeout_s)

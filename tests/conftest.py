@@ -33,3 +33,9 @@ def short_context_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """max_sequence_length 16, declared in inference_metadata.yaml."""
     spec = TinyModelSpec(max_seq_len=16, config="inference_metadata")
     return build_tiny_model(tmp_path_factory.mktemp("short"), spec)
+
+
+@pytest.fixture(scope="session")
+def long_context_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4,096 positions: room for generations that outlast a deadline or a cancel."""
+    return build_tiny_model(tmp_path_factory.mktemp("long"), TinyModelSpec(max_seq_len=4096))

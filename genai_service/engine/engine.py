@@ -203,8 +203,13 @@ class LLMEngine:
 
     # sessions
 
-    def create_session(self, idle_ttl_s: float | None = None, owner: str = "") -> SessionInfo:
-        return SessionTable.info(self.sessions.create(idle_ttl_s, owner))
+    def create_session(
+        self,
+        idle_ttl_s: float | None = None,
+        owner: str = "",
+        metadata: dict[str, str] | None = None,
+    ) -> SessionInfo:
+        return SessionTable.info(self.sessions.create(idle_ttl_s, owner, metadata))
 
     def get_session(self, session_id: str) -> SessionInfo:
         return SessionTable.info(self.sessions.get(session_id))

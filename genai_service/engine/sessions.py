@@ -26,6 +26,7 @@ class Session:
     last_used_at: float
     idle_ttl_s: float
     owner: str = ""
+    metadata: dict[str, str] = field(default_factory=dict)
     history: list[int] = field(default_factory=list)
     turns: int = 0
     # KV of history[:kv_len] while parked; None while a turn runs or after reset.
@@ -54,6 +55,7 @@ class SessionInfo:
     history_tokens: int
     turns: int
     busy: bool
+    metadata: dict[str, str] = field(default_factory=dict)
 
 
 def _not_found(session_id: str) -> NotFound:
@@ -81,7 +83,12 @@ class SessionTable:
     def __contains__(self, session_id: object) -> bool:
         return session_id in self._sessions
 
-    def create(self, idle_ttl_s: float | None = None, owner: str = "") -> Session:
+    def create(
+        self,
+        idle_ttl_s: float | None = None,
+        owner: str = "",
+        metadata: dict[str, str] | None = None,
+    ) -> Session:
         self.expire_idle()
         if len(self._sessions) >= self.max_sessions:
             raise ResourceExhausted(
@@ -92,7 +99,9 @@ class SessionTable:
         if not ttl > 0:
             raise ValueError(f"idle_ttl_s must be > 0, got {ttl}")
         now = self._clock()
-        session = Session(secrets.token_hex(SESSION_ID_BYTES), now, now, ttl, owner)
+        session = Session(
+            secrets.token_hex(SESSION_ID_BYTES), now, now, ttl, owner, dict(metadata or {})
+        )
         self._sessions[session.session_id] = session
         return session
 
@@ -170,4 +179,5 @@ class SessionTable:
             history_tokens=len(session.history),
             turns=session.turns,
             busy=session.busy,
+            metadata=dict(session.metadata),
         )

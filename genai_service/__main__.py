@@ -1,0 +1,116 @@
+"""``genai-server``: the one place where flags become configuration."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+
+import structlog
+
+from .config import (
+    CacheConfig,
+    EngineConfig,
+    LimitsConfig,
+    RunnerConfig,
+    SchedulerConfig,
+    ServerConfig,
+    SessionConfig,
+)
+from .logging import configure_logging
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="genai-server", description="LLM text generation on ONNX Runtime over gRPC"
+    )
+    p.add_argument(
+        "--model", required=True, help="model directory, or 'default' (SmolLM2-135M-Instruct)"
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--log-format", choices=("console", "json"), default="console")
+    p.add_argument(
+        "--grace-period",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds in-flight streams may run after SIGTERM",
+    )
+    g = p.add_argument_group("engine")
+    g.add_argument(
+        "--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: one per core)"
+    )
+    g.add_argument("--runner", choices=("auto", "past_present", "shared_buffer"), default="auto")
+    g.add_argument("--max-context-length", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together")
+    g.add_argument("--max-batched-tokens", type=int, default=512, help="prefill tokens per step")
+    g.add_argument(
+        "--max-queue", type=int, default=256, help="waiting requests before RESOURCE_EXHAUSTED"
+    )
+    g.add_argument(
+        "--kv-chunk-size", type=int, default=256, help="tokens per KV chunk (prefix reuse)"
+    )
+    g.add_argument("--prefix-cache-bytes", type=int, default=512 * 1024 * 1024)
+    g.add_argument("--max-sessions", type=int, default=64)
+    g.add_argument("--session-ttl", type=float, default=900.0, metavar="S")
+    g.add_argument("--default-max-new-tokens", type=int, default=256)
+    g.add_argument("--max-new-tokens-limit", type=int, default=4096)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    model_dir = args.model
+    if model_dir == "default":
+        from .convert.default_model import resolve_model
+
+        model_dir = str(resolve_model("default"))
+    engine = EngineConfig(
+        model_dir=model_dir,
+        runner=RunnerConfig(intra_op_threads=args.threads, runner=args.runner),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_batched_tokens,
+            max_queue=args.max_queue,
+        ),
+        cache=CacheConfig(
+            chunk_size=args.kv_chunk_size, prefix_cache_bytes=args.prefix_cache_bytes
+        ),
+        sessions=SessionConfig(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl),
+        limits=LimitsConfig(
+            default_max_new_tokens=args.default_max_new_tokens,
+            max_new_tokens_limit=args.max_new_tokens_limit,
+        ),
+        max_context_length=args.max_context_length,
+    )
+    return ServerConfig(
+        engine=engine,
+        host=args.host,
+        port=args.port,
+        grace_period_s=args.grace_period,
+        log_format=args.log_format,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_format)
+    log = structlog.get_logger("genai-server")
+    try:
+        config = config_from_args(args)
+    except (ValueError, OSError) as exc:
+        log.error("bad_configuration", error=str(exc))
+        return 2
+    from .server.app import serve
+
+    try:
+        asyncio.run(serve(config))
+    except Exception as exc:
+        log.error("server_failed", error=str(exc), exc_info=exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

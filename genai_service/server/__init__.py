@@ -1,0 +1,1 @@
+"""The gRPC frontend: servicers, the engine process handle, start-up and shutdown."""

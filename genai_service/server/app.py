@@ -1,0 +1,138 @@
+"""Start-up, health, reflection and graceful shutdown of ``genai-server``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from .._proto.genai.v1 import (
+    generate_pb2,
+    generate_pb2_grpc,
+    model_pb2,
+    model_pb2_grpc,
+    session_pb2,
+    session_pb2_grpc,
+)
+from ..config import ServerConfig
+from ..engine.model_dir import load_model_spec
+from ..engine.tokenizer import Tokenizer
+from .engine_process import EngineProcess
+from .servicers import Frontend, GenerateServicer, ModelServicer, SessionServicer
+
+log = structlog.get_logger(__name__)
+
+SERVICE_NAMES = (
+    generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name,
+    session_pb2.DESCRIPTOR.services_by_name["SessionService"].full_name,
+    model_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name,
+)
+
+
+class GenAIServer:
+    """The control-plane server and its supervised engine process."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        spec = load_model_spec(config.engine.model_dir)
+        self.tokenizer = Tokenizer.from_dir(spec.path, spec)
+        self.health = HealthServicer()
+        self.engine = EngineProcess(
+            config.engine, config.log_format, on_state=self._on_engine_state
+        )
+        self.frontend = Frontend(self.engine, self.tokenizer, config.max_input_chars)
+        options = [
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        self.server = grpc.aio.server(options=options)
+        generate_pb2_grpc.add_GenerateServiceServicer_to_server(
+            GenerateServicer(self.frontend), self.server
+        )
+        session_pb2_grpc.add_SessionServiceServicer_to_server(
+            SessionServicer(self.frontend), self.server
+        )
+        model_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(self.frontend), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (
+                *SERVICE_NAMES,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            self.server,
+        )
+        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {config.host}:{config.port}")
+        self._stopped = asyncio.Event()
+
+    def _on_engine_state(self, serving: bool) -> None:
+        if self.frontend.draining:
+            return
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else (health_pb2.HealthCheckResponse.NOT_SERVING)
+        )
+        asyncio.get_running_loop().create_task(self._set_health(status))
+        log.info("health", serving=serving)
+
+    async def _set_health(self, status: int) -> None:
+        for name in ("", *SERVICE_NAMES):
+            await self.health.set(name, status)
+
+    async def start(self) -> None:
+        """Listen at once (health answers NOT_SERVING), then start the engine."""
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+        log.info("listening", host=self.config.host, port=self.port)
+        await self.engine.start(self.config.engine_start_timeout_s)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drain: NOT_SERVING, refuse new RPCs, let in-flight ones finish, then stop."""
+        if self._stopped.is_set():
+            return
+        grace = self.config.grace_period_s if grace_s is None else grace_s
+        self.frontend.draining = True
+        await self.health.enter_graceful_shutdown()
+        log.info("draining", grace_s=grace, inflight=self.frontend.inflight)
+        # Keep answering (health NOT_SERVING, new RPCs UNAVAILABLE) while
+        # in-flight streams finish, so load balancers see the drain.
+        if not await self.frontend.wait_idle(grace):
+            log.warning("grace_period_expired", inflight=self.frontend.inflight)
+        await self.server.stop(0)
+        await self.engine.stop()
+        self._stopped.set()
+        log.info("stopped")
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+
+
+async def serve(config: ServerConfig) -> None:
+    """Run until SIGTERM/SIGINT, then shut down gracefully."""
+    server = GenAIServer(config)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    start = asyncio.create_task(server.start())
+    await asyncio.wait(
+        {start, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
+    )
+    if start.done() and start.exception() is not None:
+        await server.stop(0)
+        raise start.exception()  # type: ignore[misc]
+    await stop.wait()
+    start.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await start
+    await server.stop()

@@ -1,0 +1,211 @@
+"""Protobuf ↔ engine types, at the boundary. Engine types never see protobuf."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from .._proto.genai.v1 import common_pb2, generate_pb2, model_pb2, session_pb2
+from ..engine.engine import EngineInfo
+from ..engine.request import (
+    FinishReason,
+    GenerationRequest,
+    Priority,
+    RequestOutput,
+    SamplingParams,
+    StoppingCriteria,
+    TokenLogprob,
+)
+from ..engine.sessions import SessionInfo
+from ..engine.tokenizer import Tokenizer
+from ..errors import InvalidArgument
+
+_PRIORITY = {
+    common_pb2.PRIORITY_UNSPECIFIED: Priority.NORMAL,
+    common_pb2.PRIORITY_LOW: Priority.LOW,
+    common_pb2.PRIORITY_NORMAL: Priority.NORMAL,
+    common_pb2.PRIORITY_HIGH: Priority.HIGH,
+}
+_FINISH = {reason: getattr(common_pb2, f"FINISH_REASON_{reason.value}") for reason in FinishReason}
+_RUNNER = {
+    "past_present": model_pb2.RUNNER_KIND_PAST_PRESENT,
+    "shared_buffer": model_pb2.RUNNER_KIND_SHARED_BUFFER,
+}
+
+
+def _opt(msg: object, name: str) -> object | None:
+    return getattr(msg, name) if msg.HasField(name) else None  # type: ignore[attr-defined]
+
+
+def messages_to_dicts(messages: common_pb2.Messages) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.content} for m in messages.messages]
+
+
+def prompt_token_ids(
+    request: generate_pb2.GenerateRequest | model_pb2.TokenizeRequest,
+    tokenizer: Tokenizer,
+    max_input_chars: int,
+) -> tuple[list[int], str]:
+    """Tokenize the request's input; returns the ids and the text they came from."""
+    kind = request.WhichOneof("input")
+    add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+    if kind == "text":
+        text = request.text
+        _check_size("text", len(text), max_input_chars)
+        return tokenizer.encode(text, add_special_tokens=add_special), text
+    if kind == "messages":
+        if not request.messages.messages:
+            raise InvalidArgument("messages: is empty; give at least one message")
+        size = sum(len(m.content) + len(m.role) for m in request.messages.messages)
+        _check_size("messages", size, max_input_chars)
+        text = tokenizer.apply_chat_template(messages_to_dicts(request.messages))
+        # The template carries the special tokens itself.
+        return tokenizer.encode(text, add_special_tokens=False), text
+    if kind == "token_ids":
+        return list(request.token_ids.ids), ""
+    raise InvalidArgument("input: is empty; give text, token_ids or messages")
+
+
+def _check_size(field: str, size: int, limit: int) -> None:
+    if size > limit:
+        raise InvalidArgument(f"{field}: {size} characters; allowed at most {limit}")
+
+
+def generation_request(
+    request: generate_pb2.GenerateRequest, token_ids: Sequence[int]
+) -> GenerationRequest:
+    if request.priority not in _PRIORITY:
+        raise InvalidArgument(
+            f"priority: {request.priority} is not a known value; allowed "
+            "PRIORITY_LOW, PRIORITY_NORMAL, PRIORITY_HIGH"
+        )
+    s, st = request.sampling, request.stopping
+    sampling = SamplingParams(
+        temperature=_opt(s, "temperature"),  # type: ignore[arg-type]
+        top_k=_opt(s, "top_k"),  # type: ignore[arg-type]
+        top_p=_opt(s, "top_p"),  # type: ignore[arg-type]
+        min_p=_opt(s, "min_p"),  # type: ignore[arg-type]
+        repetition_penalty=_opt(s, "repetition_penalty"),  # type: ignore[arg-type]
+        frequency_penalty=_opt(s, "frequency_penalty"),  # type: ignore[arg-type]
+        presence_penalty=_opt(s, "presence_penalty"),  # type: ignore[arg-type]
+        seed=_opt(s, "seed"),  # type: ignore[arg-type]
+    )
+    stopping = StoppingCriteria(
+        max_new_tokens=_opt(st, "max_new_tokens"),  # type: ignore[arg-type]
+        min_new_tokens=st.min_new_tokens,
+        stop_sequences=tuple(st.stop_sequences),
+        stop_token_ids=tuple(st.stop_token_ids),
+        ignore_eos=st.ignore_eos,
+        include_stop_sequence=st.include_stop_sequence,
+        time_limit_ms=_opt(st, "time_limit_ms"),  # type: ignore[arg-type]
+    )
+    return GenerationRequest(
+        request_id=request.request_id or uuid.uuid4().hex,
+        prompt_token_ids=tuple(token_ids),
+        sampling=sampling,
+        stopping=stopping,
+        top_logprobs=request.top_logprobs,
+        priority=_PRIORITY[request.priority],
+        session_id=request.session_id or None,
+        skip_special_tokens=(
+            request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        ),
+    )
+
+
+def logprobs(items: Sequence[TokenLogprob]) -> list[common_pb2.TokenLogprob]:
+    return [
+        common_pb2.TokenLogprob(
+            token_id=lp.token_id,
+            text=lp.text,
+            logprob=lp.logprob,
+            top=[
+                common_pb2.TopLogprob(token_id=t.token_id, text=t.text, logprob=t.logprob)
+                for t in lp.top
+            ],
+        )
+        for lp in items
+    ]
+
+
+def delta(out: RequestOutput) -> generate_pb2.Delta:
+    return generate_pb2.Delta(
+        text=out.text, token_ids=list(out.token_ids), logprobs=logprobs(out.logprobs)
+    )
+
+
+def final(outputs: Sequence[RequestOutput]) -> generate_pb2.Final:
+    """The ``Final`` event of a finished request, from all of its outputs."""
+    last = outputs[-1]
+    usage = last.usage
+    assert last.finish_reason is not None and usage is not None
+    return generate_pb2.Final(
+        token_ids=[t for o in outputs for t in o.token_ids],
+        finish_reason=_FINISH[last.finish_reason],
+        stop_sequence=last.stop_sequence,
+        logprobs=logprobs([lp for o in outputs for lp in o.logprobs]),
+        usage=common_pb2.Usage(
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            cached_tokens=usage.cached_tokens,
+        ),
+        seed=last.seed or 0,
+        session_id=last.session_id or "",
+        session_tokens=last.session_tokens,
+        request_id=last.request_id,
+    )
+
+
+def generate_response(outputs: Sequence[RequestOutput]) -> generate_pb2.GenerateResponse:
+    f = final(outputs)
+    return generate_pb2.GenerateResponse(
+        text="".join(o.text for o in outputs),
+        token_ids=f.token_ids,
+        finish_reason=f.finish_reason,
+        stop_sequence=f.stop_sequence,
+        logprobs=f.logprobs,
+        usage=f.usage,
+        seed=f.seed,
+        session_id=f.session_id,
+        session_tokens=f.session_tokens,
+        request_id=f.request_id,
+    )
+
+
+def _timestamp(seconds: float) -> Timestamp:
+    ts = Timestamp()
+    ts.FromNanoseconds(int(seconds * 1e9))
+    return ts
+
+
+def session(info: SessionInfo) -> session_pb2.Session:
+    return session_pb2.Session(
+        session_id=info.session_id,
+        created_at=_timestamp(info.created_at),
+        last_used_at=_timestamp(info.last_used_at),
+        history_tokens=info.history_tokens,
+        turns=info.turns,
+        idle_ttl_seconds=int(info.idle_ttl_s),
+        busy=info.busy,
+        metadata=info.metadata,
+    )
+
+
+def model_info(info: EngineInfo) -> model_pb2.ModelInfo:
+    return model_pb2.ModelInfo(
+        model_id=info.model_id,
+        context_length=info.context_length,
+        vocab_size=info.vocab_size,
+        eos_token_ids=list(info.eos_token_ids),
+        kv_layout=model_pb2.KvLayout(
+            num_layers=info.num_layers,
+            num_kv_heads=info.num_kv_heads,
+            head_dim=info.head_dim,
+            dtype=info.kv_dtype,
+        ),
+        runner_kind=_RUNNER.get(info.runner_kind, model_pb2.RUNNER_KIND_UNSPECIFIED),
+        has_chat_template=info.has_chat_template,
+        kv_chunk_size=info.kv_chunk_size,
+    )

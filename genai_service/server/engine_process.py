@@ -1,0 +1,342 @@
+"""The engine's own OS process and the frontend's handle on it (DESIGN §1).
+
+The frontend never runs model compute; it talks to the engine over a
+``multiprocessing`` pipe carrying small pickled messages: requests, aborts,
+control calls one way; one batch of ``RequestOutput`` per engine step the
+other way. The process is started with ``spawn`` (gRPC's core is not
+fork-safe once initialised).
+
+Messages frontend → engine:
+    ("add", GenerationRequest) | ("abort", request_id) | ("call", call_id, method, args) | ("stop",)
+Messages engine → frontend:
+    ("ready", EngineInfo) | ("outputs", [RequestOutput, ...]) | ("rejected", request_id, error)
+    | ("result", call_id, ok, value_or_error) | ("fatal", message)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import multiprocessing as mp
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import structlog
+
+from ..config import EngineConfig
+from ..engine.request import GenerationRequest, RequestOutput
+from ..errors import GenAIError, Internal, Unavailable
+
+log = structlog.get_logger(__name__)
+
+# Engine methods the frontend may call by name (sessions, info, counters).
+CALLABLE = frozenset(
+    {
+        "create_session",
+        "get_session",
+        "reset_session",
+        "close_session",
+        "list_sessions",
+        "info",
+        "stats",
+    }
+)
+IDLE_POLL_S = 0.05
+
+
+def _engine_main(config: EngineConfig, conn: Connection, log_format: str) -> None:
+    """Entry point of the engine process."""
+    from ..engine.engine import LLMEngine
+    from ..engine.request import SamplingParams, StoppingCriteria
+    from ..logging import configure_logging
+
+    configure_logging(log_format)
+    plog = structlog.get_logger("genai_service.engine_process")
+    try:
+        engine = LLMEngine(config)
+        # Warm-up: one real prefill + decode step so the first client request
+        # does not pay for ORT's lazy initialisation.
+        warm = GenerationRequest(
+            "__warmup__",
+            (0,),
+            SamplingParams(),
+            StoppingCriteria(max_new_tokens=2, ignore_eos=True),
+        )
+        engine.generate(warm)
+        engine.prefix_index.clear()
+    except Exception as exc:
+        plog.exception("engine_start_failed")
+        conn.send(("fatal", f"engine failed to start: {exc}"))
+        return
+    conn.send(("ready", engine.info()))
+    plog.info("engine_ready", pid=os.getpid(), runner=engine.runner.kind)
+
+    def stats() -> dict[str, Any]:
+        return {
+            **engine.counters,
+            "waiting": engine.scheduler.num_waiting,
+            "running": len(engine.scheduler.running),
+            "sessions": len(engine.sessions),
+            "prefix_cache_bytes": engine.prefix_index.bytes_used,
+            "prefix_cache_entries": len(engine.prefix_index),
+        }
+
+    methods: dict[str, Callable[..., Any]] = {
+        "create_session": engine.create_session,
+        "get_session": engine.get_session,
+        "reset_session": engine.reset_session,
+        "close_session": engine.close_session,
+        "list_sessions": engine.list_sessions,
+        "info": engine.info,
+        "stats": stats,
+    }
+
+    while True:
+        # Block only when there is nothing to step.
+        timeout = 0.0 if engine.has_unfinished() else IDLE_POLL_S
+        while conn.poll(timeout):
+            timeout = 0.0
+            msg = conn.recv()
+            kind = msg[0]
+            if kind == "add":
+                request: GenerationRequest = msg[1]
+                try:
+                    engine.add_request(request)
+                except GenAIError as exc:
+                    conn.send(("rejected", request.request_id, exc))
+                except Exception as exc:
+                    plog.exception("add_request_failed", request_id=request.request_id)
+                    conn.send(("rejected", request.request_id, Internal(str(exc))))
+            elif kind == "abort":
+                engine.abort(msg[1])
+            elif kind == "call":
+                _, call_id, method, args = msg
+                try:
+                    conn.send(("result", call_id, True, methods[method](*args)))
+                except GenAIError as exc:
+                    conn.send(("result", call_id, False, exc))
+                except Exception as exc:
+                    plog.exception("call_failed", method=method)
+                    conn.send(("result", call_id, False, Internal(f"{method}: {exc}")))
+            elif kind == "stop":
+                return
+        if engine.has_unfinished():
+            outputs = engine.step()
+            if outputs:
+                conn.send(("outputs", outputs))
+
+
+class EngineProcess:
+    """The frontend's handle: start/supervise the engine process and route its outputs.
+
+    All methods run on the frontend's asyncio loop. One reader callback
+    demultiplexes each step's outputs into per-request queues.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        log_format: str = "console",
+        on_state: Callable[[bool], None] | None = None,
+        restart: bool = True,
+    ) -> None:
+        self.config = config
+        self.log_format = log_format
+        self._on_state = on_state or (lambda serving: None)
+        self._restart = restart
+        self._ctx = mp.get_context("spawn")
+        self._proc: Any = None
+        self._conn: Connection | None = None
+        self._queues: dict[str, asyncio.Queue[RequestOutput | GenAIError]] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self._ready: asyncio.Future[Any] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing = False
+        self.info: Any = None
+        self.restarts = 0
+
+    @property
+    def ready(self) -> bool:
+        return self._ready is not None and self._ready.done() and not self._ready.exception()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    async def start(self, timeout_s: float = 600.0) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._spawn()
+        await self.wait_ready(timeout_s)
+
+    async def wait_ready(self, timeout_s: float = 600.0) -> None:
+        assert self._ready is not None
+        await asyncio.wait_for(asyncio.shield(self._ready), timeout_s)
+
+    def _spawn(self) -> None:
+        assert self._loop is not None
+        parent, child = self._ctx.Pipe()
+        proc = self._ctx.Process(
+            target=_engine_main,
+            args=(self.config, child, self.log_format),
+            name="genai-engine",
+            daemon=True,
+        )
+        proc.start()
+        child.close()
+        self._proc, self._conn = proc, parent
+        self._ready = self._loop.create_future()
+        self._loop.add_reader(parent.fileno(), self._on_readable)
+        self._loop.add_reader(proc.sentinel, self._on_exit)
+        log.info("engine_process_started", pid=proc.pid)
+
+    def _on_readable(self) -> None:
+        conn = self._conn
+        if conn is None:
+            return
+        try:
+            while conn.poll():
+                self._dispatch(conn.recv())
+        except (EOFError, OSError):
+            self._on_exit()
+
+    def _dispatch(self, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "outputs":
+            for out in msg[1]:
+                queue = self._queues.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
+                    if out.finished:
+                        self._queues.pop(out.request_id, None)
+        elif kind == "rejected":
+            queue = self._queues.pop(msg[1], None)
+            if queue is not None:
+                queue.put_nowait(msg[2])
+        elif kind == "result":
+            future = self._calls.pop(msg[1], None)
+            if future is not None and not future.done():
+                if msg[2]:
+                    future.set_result(msg[3])
+                else:
+                    future.set_exception(msg[3])
+        elif kind == "ready":
+            self.info = msg[1]
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_result(msg[1])
+            self._on_state(True)
+        elif kind == "fatal":
+            log.error("engine_fatal", message=msg[1])
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_exception(Unavailable(msg[1]))
+
+    def _on_exit(self) -> None:
+        """The engine process died (or closed its pipe): fail in-flight work, restart."""
+        assert self._loop is not None
+        if self._conn is None:
+            return
+        with contextlib.suppress(Exception):
+            self._loop.remove_reader(self._conn.fileno())
+        with contextlib.suppress(Exception):
+            self._loop.remove_reader(self._proc.sentinel)
+        self._conn.close()
+        self._conn = None
+        self._proc.join(timeout=1)
+        code = self._proc.exitcode
+        self._on_state(False)
+        error = Unavailable(f"the engine process exited (code {code}); retry the request")
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        self._queues.clear()
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
+        self._calls.clear()
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(error)
+        if self._closing or not self._restart:
+            return
+        log.error("engine_process_died", exitcode=code, restarting=True)
+        self.restarts += 1
+        self._spawn()
+
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        if self._conn is None or not self.ready:
+            raise Unavailable("the engine is starting or restarting; retry shortly")
+        try:
+            self._conn.send(msg)
+        except (BrokenPipeError, OSError) as exc:
+            raise Unavailable(f"the engine process is gone: {exc}") from exc
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its outputs; aborts it in the engine if the
+        consumer stops early (client cancel, deadline)."""
+        queue: asyncio.Queue[RequestOutput | GenAIError] = asyncio.Queue()
+        rid = request.request_id
+        if rid in self._queues:
+            raise GenAIError(f"request_id: {rid!r} is already in flight")
+        self._queues[rid] = queue
+        finished = False
+        try:
+            self._send(("add", request))
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.error is not None:
+                    finished = True
+                    raise item.error
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._queues.pop(rid, None)
+                with contextlib.suppress(GenAIError):
+                    self._send(("abort", rid))
+
+    def abort(self, request_id: str) -> None:
+        with contextlib.suppress(GenAIError):
+            self._send(("abort", request_id))
+
+    async def call(self, method: str, *args: Any) -> Any:
+        if method not in CALLABLE:
+            raise ValueError(f"unknown engine method {method!r}")
+        assert self._loop is not None
+        call_id = next(self._call_ids)
+        future: asyncio.Future[Any] = self._loop.create_future()
+        self._calls[call_id] = future
+        try:
+            self._send(("call", call_id, method, args))
+        except GenAIError:
+            self._calls.pop(call_id, None)
+            raise
+        return await future
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        self._closing = True
+        proc = self._proc
+        if proc is None:
+            return
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._conn.send(("stop",))
+        deadline = time.monotonic() + timeout_s
+        while proc.is_alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+        self._on_exit()
+
+    def kill(self) -> None:
+        """Kill the engine process (tests of supervision)."""
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()

@@ -1,0 +1,335 @@
+"""Thin adapters: validate → submit to the engine → convert → yield.
+
+One decorator, ``rpc``, maps domain errors to status codes (DESIGN §5) and
+binds a request id to every log line of the call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import inspect
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import structlog
+
+from .._proto.genai.v1 import (
+    generate_pb2,
+    generate_pb2_grpc,
+    model_pb2,
+    model_pb2_grpc,
+    session_pb2,
+    session_pb2_grpc,
+)
+from ..engine.request import RequestOutput
+from ..engine.tokenizer import Tokenizer
+from ..errors import GenAIError, InvalidArgument, Unavailable
+from . import convert
+from .engine_process import EngineProcess
+
+log = structlog.get_logger(__name__)
+
+
+class Frontend:
+    """What every servicer shares: the engine handle, the tokenizer, limits, draining."""
+
+    def __init__(self, engine: EngineProcess, tokenizer: Tokenizer, max_input_chars: int) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.max_input_chars = max_input_chars
+        self.draining = False
+        self.inflight = 0  # generate RPCs running; shutdown waits for them
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @contextlib.contextmanager
+    def tracking(self) -> Any:
+        self.inflight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+            if self.inflight == 0:
+                self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no generate RPC is in flight; False if ``timeout_s`` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def check_serving(self) -> None:
+        if self.draining:
+            raise Unavailable("the server is shutting down; retry on another replica")
+
+    def build_request(self, request: generate_pb2.GenerateRequest) -> Any:
+        ids, _ = convert.prompt_token_ids(request, self.tokenizer, self.max_input_chars)
+        return convert.generation_request(request, ids)
+
+    async def outputs(self, request: Any) -> AsyncIterator[RequestOutput]:
+        with self.tracking():
+            async with contextlib.aclosing(self.engine.generate(request)) as stream:
+                async for out in stream:
+                    yield out
+
+
+def status_code(error: GenAIError) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, error.code, grpc.StatusCode.INTERNAL)
+
+
+def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a servicer method (unary or async-generator) with error mapping and log context."""
+    name = fn.__name__
+
+    async def fail(exc: BaseException, context: grpc.aio.ServicerContext) -> None:
+        if isinstance(exc, GenAIError):
+            log.info("rpc_error", rpc=name, code=exc.code, message=exc.message)
+            await context.abort(status_code(exc), exc.message)
+        log.error("rpc_internal_error", rpc=name, exc_info=exc)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
+
+    def bind(request: Any) -> None:
+        rid = getattr(request, "request_id", "") or uuid.uuid4().hex
+        if hasattr(request, "request_id") and not request.request_id:
+            request.request_id = rid
+        structlog.contextvars.clear_contextvars()
+        structlog.contextvars.bind_contextvars(request_id=rid, rpc=name)
+
+    if inspect.isasyncgenfunction(fn):
+
+        @functools.wraps(fn)
+        async def stream_wrapper(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
+            bind(request)
+            try:
+                self.fe.check_serving()
+                async for item in fn(self, request, context):
+                    yield item
+            except (GenAIError, Exception) as exc:
+                if isinstance(exc, grpc.aio.AbortError):
+                    raise
+                await fail(exc, context)
+
+        return stream_wrapper
+
+    @functools.wraps(fn)
+    async def unary_wrapper(self: Any, request: Any, context: Any) -> Any:
+        bind(request)
+        try:
+            self.fe.check_serving()
+            return await fn(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await fail(exc, context)
+
+    return unary_wrapper
+
+
+class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
+    def __init__(self, frontend: Frontend) -> None:
+        self.fe = frontend
+
+    @rpc
+    async def Generate(
+        self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.GenerateResponse:
+        outputs = [out async for out in self.fe.outputs(self.fe.build_request(request))]
+        return convert.generate_response(outputs)
+
+    @rpc
+    async def GenerateStream(
+        self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generate_pb2.GenerateStreamResponse]:
+        outputs: list[RequestOutput] = []
+        async for out in self.fe.outputs(self.fe.build_request(request)):
+            outputs.append(out)
+            if out.token_ids or out.text:
+                yield generate_pb2.GenerateStreamResponse(delta=convert.delta(out))
+            if out.finished:
+                yield generate_pb2.GenerateStreamResponse(final=convert.final(outputs))
+
+    async def GenerateBidi(
+        self,
+        request_iterator: AsyncIterator[generate_pb2.BidiRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[generate_pb2.BidiResponse]:
+        """Several requests on one stream; each one's errors come back as an
+        ``error`` event for its ``request_id``, never as the stream's status."""
+        structlog.contextvars.clear_contextvars()
+        structlog.contextvars.bind_contextvars(rpc="GenerateBidi")
+        if self.fe.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        events: asyncio.Queue[generate_pb2.BidiResponse | None] = asyncio.Queue()
+        tasks: dict[str, asyncio.Task[None]] = {}
+
+        def error_event(rid: str, exc: BaseException) -> generate_pb2.BidiResponse:
+            if not isinstance(exc, GenAIError):
+                log.error("bidi_request_failed", request_id=rid, exc_info=exc)
+                exc = GenAIError(f"internal error: {exc}")
+            return generate_pb2.BidiResponse(
+                request_id=rid,
+                error=generate_pb2.ErrorStatus(code=status_code(exc).value[0], message=exc.message),
+            )
+
+        async def run_one(rid: str, start: generate_pb2.GenerateRequest) -> None:
+            outputs: list[RequestOutput] = []
+            try:
+                async for out in self.fe.outputs(self.fe.build_request(start)):
+                    outputs.append(out)
+                    if out.token_ids or out.text:
+                        events.put_nowait(
+                            generate_pb2.BidiResponse(request_id=rid, delta=convert.delta(out))
+                        )
+                    if out.finished:
+                        events.put_nowait(
+                            generate_pb2.BidiResponse(request_id=rid, final=convert.final(outputs))
+                        )
+            except Exception as exc:
+                events.put_nowait(error_event(rid, exc))
+            finally:
+                tasks.pop(rid, None)
+                events.put_nowait(None)  # wake the writer to re-check for the end
+
+        async def read() -> None:
+            async for msg in request_iterator:
+                action = msg.WhichOneof("action")
+                if action == "start":
+                    rid = msg.start.request_id
+                    if not rid:
+                        events.put_nowait(
+                            error_event(
+                                "", InvalidArgument("start.request_id: required in GenerateBidi")
+                            )
+                        )
+                    elif rid in tasks:
+                        events.put_nowait(
+                            error_event(
+                                rid, InvalidArgument(f"request_id: {rid!r} is already in flight")
+                            )
+                        )
+                    else:
+                        tasks[rid] = asyncio.create_task(run_one(rid, msg.start))
+                elif action == "cancel" and msg.cancel.request_id in tasks:
+                    # The engine ends the request with a CANCELLED final event.
+                    self.fe.engine.abort(msg.cancel.request_id)
+
+        reader = asyncio.create_task(read())
+        reader.add_done_callback(lambda _: events.put_nowait(None))
+        try:
+            while True:
+                event = await events.get()
+                if event is not None:
+                    yield event
+                elif reader.done() and not tasks and events.empty():
+                    break
+            exc = reader.exception()
+            if exc is not None and not isinstance(exc, asyncio.CancelledError):
+                raise exc
+        finally:
+            reader.cancel()
+            for task in list(tasks.values()):
+                task.cancel()
+
+
+class SessionServicer(session_pb2_grpc.SessionServiceServicer):
+    def __init__(self, frontend: Frontend) -> None:
+        self.fe = frontend
+
+    @rpc
+    async def CreateSession(
+        self, request: session_pb2.CreateSessionRequest, context: grpc.aio.ServicerContext
+    ) -> session_pb2.CreateSessionResponse:
+        ttl = None
+        if request.HasField("idle_ttl_seconds"):
+            if request.idle_ttl_seconds == 0:
+                raise InvalidArgument(
+                    "idle_ttl_seconds: 0 is out of range; allowed [1, 4294967295]"
+                )
+            ttl = float(request.idle_ttl_seconds)
+        info = await self.fe.engine.call("create_session", ttl, "", dict(request.metadata))
+        return session_pb2.CreateSessionResponse(session=convert.session(info))
+
+    @rpc
+    async def GetSession(
+        self, request: session_pb2.GetSessionRequest, context: grpc.aio.ServicerContext
+    ) -> session_pb2.GetSessionResponse:
+        info = await self.fe.engine.call("get_session", request.session_id)
+        return session_pb2.GetSessionResponse(session=convert.session(info))
+
+    @rpc
+    async def ResetSession(
+        self, request: session_pb2.ResetSessionRequest, context: grpc.aio.ServicerContext
+    ) -> session_pb2.ResetSessionResponse:
+        info = await self.fe.engine.call("reset_session", request.session_id)
+        return session_pb2.ResetSessionResponse(session=convert.session(info))
+
+    @rpc
+    async def CloseSession(
+        self, request: session_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext
+    ) -> session_pb2.CloseSessionResponse:
+        await self.fe.engine.call("close_session", request.session_id)
+        return session_pb2.CloseSessionResponse()
+
+    @rpc
+    async def ListSessions(
+        self, request: session_pb2.ListSessionsRequest, context: grpc.aio.ServicerContext
+    ) -> session_pb2.ListSessionsResponse:
+        infos = await self.fe.engine.call("list_sessions")
+        return session_pb2.ListSessionsResponse(sessions=[convert.session(i) for i in infos])
+
+
+class ModelServicer(model_pb2_grpc.ModelServiceServicer):
+    def __init__(self, frontend: Frontend) -> None:
+        self.fe = frontend
+
+    @rpc
+    async def GetModelInfo(
+        self, request: model_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> model_pb2.GetModelInfoResponse:
+        info = self.fe.engine.info
+        if info is None:
+            raise Unavailable("the engine is starting; retry shortly")
+        return model_pb2.GetModelInfoResponse(model_info=convert.model_info(info))
+
+    @rpc
+    async def Tokenize(
+        self, request: model_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> model_pb2.TokenizeResponse:
+        ids, text = convert.prompt_token_ids(request, self.fe.tokenizer, self.fe.max_input_chars)
+        response = model_pb2.TokenizeResponse(token_ids=ids, prompt_text=text)
+        if request.return_tokens:
+            # Same special-token rule as prompt_token_ids: templates carry their own.
+            add_special = request.WhichOneof("input") == "text" and (
+                request.add_special_tokens if request.HasField("add_special_tokens") else True
+            )
+            encoding = self.fe.tokenizer.inner.encode(text, add_special_tokens=add_special)
+            for tok_id, (start, end) in zip(encoding.ids, encoding.offsets, strict=True):
+                response.tokens.add(
+                    id=tok_id,
+                    text=self.fe.tokenizer.token_text(tok_id),
+                    char_start=start,
+                    char_end=end,
+                )
+        return response
+
+    @rpc
+    async def Detokenize(
+        self, request: model_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> model_pb2.DetokenizeResponse:
+        vocab = self.fe.tokenizer.vocab_size
+        for i, tok in enumerate(request.token_ids):
+            if tok >= vocab:
+                raise InvalidArgument(
+                    f"token_ids[{i}]: {tok} is out of range; allowed [0, {vocab - 1}]"
+                )
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        return model_pb2.DetokenizeResponse(
+            text=self.fe.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip)
+        )

@@ -1,0 +1,57 @@
+"""Run a real GenAIServer (grpc.aio + engine process) on a free 127.0.0.1 port in a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Coroutine
+from typing import Any
+
+import grpc
+
+from genai_service.config import ServerConfig
+from genai_service.server.app import GenAIServer
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerThread:
+    """Owns an event loop thread running the server; everything else talks to it by RPC."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.server: GenAIServer | None = None
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.config.port}"
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 120) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self) -> ServerThread:
+        self.thread.start()
+
+        async def boot() -> GenAIServer:
+            server = GenAIServer(self.config)
+            await server.start()
+            return server
+
+        self.server = self.run(boot())
+        return self
+
+    def stop(self, grace_s: float = 0) -> None:
+        if self.server is not None:
+            self.run(self.server.stop(grace_s))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.target)

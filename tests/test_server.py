@@ -1,0 +1,445 @@
+"""The gRPC service against a real server (engine in its own process) on the tiny model."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from google.protobuf import json_format
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from genai_service._proto.genai.v1 import (
+    common_pb2,
+    generate_pb2,
+    generate_pb2_grpc,
+    model_pb2,
+    model_pb2_grpc,
+    session_pb2,
+    session_pb2_grpc,
+)
+from genai_service.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
+from genai_service.engine.engine import LLMEngine
+from genai_service.engine.request import GenerationRequest, StoppingCriteria
+from tests.server_harness import ServerThread, free_port
+from tests.tiny_model import encode_words
+
+pytestmark = pytest.mark.e2e
+
+
+def engine_config(model_dir: Path, **kw) -> EngineConfig:
+    return EngineConfig(
+        model_dir=str(model_dir),
+        cache=kw.pop("cache", CacheConfig(chunk_size=4)),
+        scheduler=kw.pop("scheduler", SchedulerConfig(max_num_seqs=4, max_queue=4)),
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def server(long_context_model_dir: Path) -> Iterator[ServerThread]:
+    srv = ServerThread(
+        ServerConfig(engine=engine_config(long_context_model_dir), port=free_port())
+    ).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture()
+def channel(server: ServerThread) -> Iterator[grpc.Channel]:
+    with server.channel() as ch:
+        yield ch
+
+
+def gen_request(text: str, n: int = 8, **kw) -> generate_pb2.GenerateRequest:
+    stopping = kw.pop("stopping", {})
+    return generate_pb2.GenerateRequest(
+        text=text,
+        stopping=generate_pb2.StoppingCriteria(max_new_tokens=n, ignore_eos=True, **stopping),
+        **kw,
+    )
+
+
+def code_of(fn, *args, **kw) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as err:
+        result = fn(*args, **kw)
+        if hasattr(result, "__iter__") and not isinstance(result, generate_pb2.GenerateResponse):
+            list(result)
+    return err.value.code(), err.value.details()
+
+
+def test_reflection_and_health(channel: grpc.Channel) -> None:
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    responses = stub.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+    )
+    names = {s.name for r in responses for s in r.list_services_response.service}
+    assert {"genai.v1.GenerateService", "genai.v1.SessionService", "genai.v1.ModelService"} <= names
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "genai.v1.GenerateService"):
+        status = health.Check(health_pb2.HealthCheckRequest(service=service)).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_generate_rpcs_match_the_in_process_engine(
+    channel: grpc.Channel, long_context_model_dir: Path
+) -> None:
+    stub = generate_pb2_grpc.GenerateServiceStub(channel)
+    engine = LLMEngine(engine_config(long_context_model_dir))
+    prompt = "the cat sat on the mat"
+    want = engine.generate(
+        GenerationRequest(
+            "x",
+            tuple(encode_words(prompt)),
+            stopping=StoppingCriteria(max_new_tokens=8, ignore_eos=True),
+        )
+    )
+    unary = stub.Generate(gen_request(prompt))
+    assert list(unary.token_ids) == list(want.token_ids)
+    assert unary.text == want.text
+    assert unary.finish_reason == common_pb2.FINISH_REASON_MAX_TOKENS
+    assert unary.usage.prompt_tokens == 6 and unary.usage.completion_tokens == 8
+    events = list(stub.GenerateStream(gen_request(prompt)))
+    deltas = [e.delta for e in events if e.WhichOneof("event") == "delta"]
+    assert "".join(d.text for d in deltas) == unary.text
+    assert [t for d in deltas for t in d.token_ids] == list(unary.token_ids)
+    final = events[-1].final
+    assert events[-1].WhichOneof("event") == "final"
+    assert final.finish_reason == common_pb2.FINISH_REASON_MAX_TOKENS
+    assert list(final.token_ids) == list(unary.token_ids)
+    assert final.usage.completion_tokens == 8
+    bidi = list(
+        stub.GenerateBidi(
+            iter([generate_pb2.BidiRequest(start=gen_request(prompt, request_id="b1"))])
+        )
+    )
+    assert [t for e in bidi if e.WhichOneof("event") == "delta" for t in e.delta.token_ids] == list(
+        unary.token_ids
+    )
+    assert bidi[-1].final.finish_reason == common_pb2.FINISH_REASON_MAX_TOKENS
+
+
+def test_bidi_two_requests_one_cancelled(channel: grpc.Channel) -> None:
+    stub = generate_pb2_grpc.GenerateServiceStub(channel)
+    cancel_sent = threading.Event()
+    first_delta = threading.Event()
+
+    def requests() -> Iterator[generate_pb2.BidiRequest]:
+        yield generate_pb2.BidiRequest(start=gen_request("the cat", 100, request_id="long"))
+        yield generate_pb2.BidiRequest(start=gen_request("the dog", 10, request_id="short"))
+        first_delta.wait(30)
+        yield generate_pb2.BidiRequest(cancel=generate_pb2.CancelRequest(request_id="long"))
+        cancel_sent.set()
+
+    finals = {}
+    tokens: dict[str, int] = {"long": 0, "short": 0}
+    for event in stub.GenerateBidi(requests(), timeout=60):
+        kind = event.WhichOneof("event")
+        if kind == "delta":
+            tokens[event.request_id] += len(event.delta.token_ids)
+            first_delta.set()
+        elif kind == "final":
+            finals[event.request_id] = event.final
+    assert finals["short"].finish_reason == common_pb2.FINISH_REASON_MAX_TOKENS
+    assert tokens["short"] == 10
+    assert finals["long"].finish_reason == common_pb2.FINISH_REASON_CANCELLED
+    assert tokens["long"] < 100
+
+
+def test_bidi_errors_are_per_request(channel: grpc.Channel) -> None:
+    stub = generate_pb2_grpc.GenerateServiceStub(channel)
+    bad = gen_request("hello", 4, request_id="bad", sampling=generate_pb2.SamplingParams(top_p=2.0))
+    good = gen_request("hello", 4, request_id="good")
+    events = list(
+        stub.GenerateBidi(
+            iter([generate_pb2.BidiRequest(start=bad), generate_pb2.BidiRequest(start=good)])
+        )
+    )
+    errors = [e for e in events if e.WhichOneof("event") == "error"]
+    assert [(e.request_id, e.error.code) for e in errors] == [
+        ("bad", grpc.StatusCode.INVALID_ARGUMENT.value[0])
+    ]
+    assert "sampling.top_p: 2.0 is out of range" in errors[0].error.message
+    assert any(e.request_id == "good" and e.WhichOneof("event") == "final" for e in events)
+
+
+def test_sessions_over_rpc(channel: grpc.Channel) -> None:
+    sessions = session_pb2_grpc.SessionServiceStub(channel)
+    stub = generate_pb2_grpc.GenerateServiceStub(channel)
+    sid = sessions.CreateSession(
+        session_pb2.CreateSessionRequest(metadata={"user": "ada"})
+    ).session.session_id
+    t1 = stub.Generate(gen_request("hello , who are you ?", 6, session_id=sid))
+    t2 = stub.Generate(gen_request("what is your name ?", 6, session_id=sid))
+    assert t2.usage.cached_tokens >= t1.usage.prompt_tokens + t1.usage.completion_tokens
+    info = sessions.GetSession(session_pb2.GetSessionRequest(session_id=sid)).session
+    assert (
+        info.turns == 2
+        and info.history_tokens == t2.session_tokens
+        and info.metadata["user"] == "ada"
+    )
+    listed = sessions.ListSessions(session_pb2.ListSessionsRequest()).sessions
+    assert sid in {s.session_id for s in listed}
+    reset = sessions.ResetSession(session_pb2.ResetSessionRequest(session_id=sid)).session
+    assert reset.history_tokens == 0
+    t3 = stub.Generate(gen_request("hello", 2, session_id=sid))
+    assert t3.usage.cached_tokens == 0 and t3.session_tokens == 3
+    # a second turn while one runs
+    stream = stub.GenerateStream(gen_request("the cat", 60, session_id=sid))
+    next(stream)
+    code, msg = code_of(stub.Generate, gen_request("the dog", 2, session_id=sid))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "already running a turn" in msg
+    stream.cancel()
+    sessions.CloseSession(session_pb2.CloseSessionRequest(session_id=sid))
+    for call in (
+        lambda: sessions.GetSession(session_pb2.GetSessionRequest(session_id=sid)),
+        lambda: stub.Generate(gen_request("hello", 2, session_id=sid)),
+        lambda: sessions.GetSession(session_pb2.GetSessionRequest(session_id="not-a-session")),
+    ):
+        code, _ = code_of(call)
+        assert code == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (
+            gen_request("hello", sampling=generate_pb2.SamplingParams(temperature=-1)),
+            "sampling.temperature: -1.0 is out of range",
+        ),
+        (
+            gen_request("hello", sampling=generate_pb2.SamplingParams(top_p=0)),
+            "sampling.top_p: 0.0 is out of range",
+        ),
+        (
+            gen_request("hello", stopping=dict(min_new_tokens=20)),
+            "stopping.min_new_tokens: 20 is out of range; allowed [0, 8]",
+        ),
+        (generate_pb2.GenerateRequest(), "input: is empty"),
+        (generate_pb2.GenerateRequest(text=""), "input: is empty"),
+        (
+            generate_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=[1, 9999])),
+            "token_ids[1]: 9999 is out of range",
+        ),
+        (gen_request(" ".join(["the"] * 4096)), "the context window is 4096 tokens"),
+        (gen_request("hello", priority=7), "priority: 7 is not a known value"),
+        (generate_pb2.GenerateRequest(messages=common_pb2.Messages()), "messages: is empty"),
+    ],
+)
+def test_invalid_arguments(
+    channel: grpc.Channel, request_: generate_pb2.GenerateRequest, message: str
+) -> None:
+    stub = generate_pb2_grpc.GenerateServiceStub(channel)
+    for call in (stub.Generate, stub.GenerateStream):
+        code, details = code_of(call, request_)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in details
+
+
+def test_chat_messages_use_the_template(channel: grpc.Channel) -> None:
+    stub = generate_pb2_grpc.GenerateServiceStub(channel)
+    models = model_pb2_grpc.ModelServiceStub(channel)
+    messages = common_pb2.Messages(messages=[common_pb2.ChatMessage(role="user", content="hello")])
+    tok = models.Tokenize(model_pb2.TokenizeRequest(messages=messages))
+    assert tok.prompt_text == "<s> user : hello </s> <s> assistant : "
+    r = stub.Generate(
+        generate_pb2.GenerateRequest(
+            messages=messages, stopping=generate_pb2.StoppingCriteria(max_new_tokens=3)
+        )
+    )
+    assert r.usage.prompt_tokens == len(tok.token_ids)
+
+
+def test_model_info_tokenize_detokenize(channel: grpc.Channel) -> None:
+    models = model_pb2_grpc.ModelServiceStub(channel)
+    info = models.GetModelInfo(model_pb2.GetModelInfoRequest()).model_info
+    assert info.context_length == 4096 and info.vocab_size > 50 and list(info.eos_token_ids) == [2]
+    assert info.kv_layout.num_layers == 2 and info.runner_kind == model_pb2.RUNNER_KIND_PAST_PRESENT
+    assert info.has_chat_template and info.kv_chunk_size == 4
+    tok = models.Tokenize(model_pb2.TokenizeRequest(text="the cat", return_tokens=True))
+    assert list(tok.token_ids) == encode_words("the cat")
+    assert [(t.text, t.char_start, t.char_end) for t in tok.tokens] == [
+        ("the", 0, 3),
+        ("cat", 4, 7),
+    ]
+    text = models.Detokenize(model_pb2.DetokenizeRequest(token_ids=tok.token_ids)).text
+    assert text == "the cat"
+    code, msg = code_of(models.Detokenize, model_pb2.DetokenizeRequest(token_ids=[10**6]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "token_ids[0]" in msg
+
+
+def engine_stats(server: ServerThread) -> dict:
+    assert server.server is not None
+    return server.run(server.server.engine.call("stats"))
+
+
+def test_client_cancel_and_deadline_abort_the_engine_request(
+    server: ServerThread, channel: grpc.Channel
+) -> None:
+    stub = generate_pb2_grpc.GenerateServiceStub(channel)
+    before = engine_stats(server).get("requests_aborted", 0)
+    stream = stub.GenerateStream(gen_request("the cat", 4000, stopping=dict()))
+    next(stream)
+    stream.cancel()
+    code, _ = code_of(stub.Generate, gen_request("the cat", 4000), timeout=0.3)
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    code, _ = code_of(stub.GenerateStream, gen_request("the cat", 4000), timeout=0.3)
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    for _ in range(100):
+        stats = engine_stats(server)
+        if stats.get("requests_aborted", 0) - before >= 3 and stats["running"] == 0:
+            break
+        time.sleep(0.05)
+    assert stats.get("requests_aborted", 0) - before == 3
+    assert stats["running"] == 0 and stats["waiting"] == 0
+
+
+def test_queue_full_is_resource_exhausted(long_context_model_dir: Path) -> None:
+    config = ServerConfig(
+        engine=engine_config(
+            long_context_model_dir, scheduler=SchedulerConfig(max_num_seqs=1, max_queue=1)
+        ),
+        port=free_port(),
+    )
+    srv = ServerThread(config).start()
+    try:
+        with srv.channel() as ch:
+            stub = generate_pb2_grpc.GenerateServiceStub(ch)
+            running = stub.GenerateStream(gen_request("the cat", 4000))
+            next(running)
+            waiting = stub.GenerateStream(gen_request("the dog", 4000))
+            time.sleep(0.2)
+            code, msg = code_of(stub.Generate, gen_request("hello", 2))
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue" in msg
+            running.cancel()
+            waiting.cancel()
+    finally:
+        srv.stop()
+
+
+def test_engine_death_mid_stream_is_unavailable_then_recovers(long_context_model_dir: Path) -> None:
+    srv = ServerThread(
+        ServerConfig(engine=engine_config(long_context_model_dir), port=free_port())
+    ).start()
+    try:
+        with srv.channel() as ch:
+            stub = generate_pb2_grpc.GenerateServiceStub(ch)
+            health = health_pb2_grpc.HealthStub(ch)
+            stream = stub.GenerateStream(gen_request("the cat", 4000))
+            next(stream)
+            assert srv.server is not None
+            old_pid = srv.server.engine.pid
+            srv.server.engine.kill()
+            with pytest.raises(grpc.RpcError) as err:
+                list(stream)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "engine process exited" in err.value.details()
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                status = health.Check(health_pb2.HealthCheckRequest()).status
+                if status == health_pb2.HealthCheckResponse.SERVING and srv.server.engine.ready:
+                    break
+                time.sleep(0.1)
+            assert status == health_pb2.HealthCheckResponse.SERVING
+            assert srv.server.engine.pid != old_pid
+            r = stub.Generate(gen_request("hello", 3))
+            assert len(r.token_ids) == 3
+    finally:
+        srv.stop()
+
+
+def test_graceful_shutdown_lets_streams_finish(long_context_model_dir: Path) -> None:
+    srv = ServerThread(
+        ServerConfig(engine=engine_config(long_context_model_dir), port=free_port())
+    ).start()
+    with srv.channel() as ch:
+        stub = generate_pb2_grpc.GenerateServiceStub(ch)
+        health = health_pb2_grpc.HealthStub(ch)
+        stream = stub.GenerateStream(gen_request("the cat", 2000))
+        next(stream)
+        assert srv.server is not None
+        import asyncio
+
+        stopping = asyncio.run_coroutine_threadsafe(srv.server.stop(10), srv.loop)
+        time.sleep(0.2)
+        status = health.Check(health_pb2.HealthCheckRequest()).status
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        code, _ = code_of(stub.Generate, gen_request("hello", 2))
+        assert code == grpc.StatusCode.UNAVAILABLE
+        rest = list(stream)
+        assert rest[-1].final.finish_reason == common_pb2.FINISH_REASON_MAX_TOKENS
+        stopping.result(30)
+    srv.loop.call_soon_threadsafe(srv.loop.stop)
+    srv.thread.join(10)
+
+
+def test_json_form_of_the_final_response(channel: grpc.Channel) -> None:
+    stub = generate_pb2_grpc.GenerateServiceStub(channel)
+    r = stub.Generate(gen_request("hello", 3, request_id="fixed-id"))
+    parsed = json_format.Parse(json_format.MessageToJson(r), generate_pb2.GenerateResponse())
+    assert parsed == r and parsed.request_id == "fixed-id"
+
+
+def test_sigterm_drains_and_exits_zero(long_context_model_dir: Path, tmp_path: Path) -> None:
+    """The real `genai-server` command: SIGTERM mid-stream, the stream completes, exit 0."""
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "genai_service",
+                "--model",
+                str(long_context_model_dir),
+                "--port",
+                str(port),
+                "--log-format",
+                "json",
+                "--grace-period",
+                "20",
+            ],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                try:
+                    if (
+                        health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                        == health_pb2.HealthCheckResponse.SERVING
+                    ):
+                        break
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.1)
+            stub = generate_pb2_grpc.GenerateServiceStub(ch)
+            stream = stub.GenerateStream(gen_request("the cat", 1500))
+            next(stream)
+            proc.send_signal(signal.SIGTERM)
+            rest = list(stream)
+            assert rest[-1].final.finish_reason == common_pb2.FINISH_REASON_MAX_TOKENS
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    import json
+
+    events = [
+        json.loads(line)["event"]
+        for line in log_path.read_text().splitlines()
+        if line.startswith("{")
+    ]
+    assert "draining" in events and "stopped" in events
