@@ -28,9 +28,7 @@ def _h(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
-def make_namespace(
-    fingerprint: str, kv_dtype: str, layout: str, chunk_size: int
-) -> bytes:
+def make_namespace(fingerprint: str, kv_dtype: str, layout: str, chunk_size: int) -> bytes:
     """The bytes hashed into ``k_0``: any change of model, dtype, layout or
     chunk size gives a disjoint key space."""
     return "|".join(
@@ -125,7 +123,9 @@ class PrefixIndex:
             _, old = self._entries.popitem(last=False)
             self.bytes_used -= old.nbytes
             self.evictions += 1
-        owned = [(np.ascontiguousarray(k).copy(), np.ascontiguousarray(v).copy()) for k, v in layers]
+        owned = [
+            (np.ascontiguousarray(k).copy(), np.ascontiguousarray(v).copy()) for k, v in layers
+        ]
         self._entries[key] = _Entry(owned, nbytes)
         self.bytes_used += nbytes
         return True

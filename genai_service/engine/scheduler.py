@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ..config import SchedulerConfig
 from ..errors import ResourceExhausted
-from .sequence import Sequence, SeqStatus
+from .sequence import SeqStatus, Sequence
 
 
 @dataclass

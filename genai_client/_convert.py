@@ -1,0 +1,460 @@
+"""Protobuf <-> dataclass conversion: the only client module that builds or
+reads ``*_pb2`` messages (the client surface never exposes protobuf)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import UTC
+from typing import TypedDict
+
+from google.protobuf import json_format
+
+from genai_client.errors import InternalError, error_for_number
+from genai_client.types import (
+    BidiEvent,
+    ChatMessage,
+    Delta,
+    GenerationResult,
+    KvLayout,
+    ModelInfo,
+    SessionInfo,
+    Token,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from genai_service._proto.genai.v1 import common_pb2, generate_pb2, model_pb2, session_pb2
+
+MessageLike = ChatMessage | Mapping[str, str] | tuple[str, str]
+
+
+class GenerateOptions(TypedDict, total=False):
+    """Keyword options of every generate call (``generate``, ``stream``,
+    ``bidi().start``, and the same on sessions). ``None`` (or absent) leaves
+    a field unset so the server's default applies. See
+    ``protos/genai/v1/generate.proto`` for exact semantics.
+
+    Input (exactly one of the positional ``prompt``, ``token_ids`` and
+    ``messages``): ``token_ids`` — a token-id prompt used as-is; ``messages`` —
+    chat messages (``ChatMessage``, ``{"role", "content"}`` mappings or
+    ``(role, content)`` pairs) rendered with the model's chat template.
+
+    Sampling: ``temperature`` (None/0: greedy), ``top_k``, ``top_p``,
+    ``min_p``, ``repetition_penalty``, ``frequency_penalty``,
+    ``presence_penalty``, ``seed``.
+
+    Stopping: ``max_new_tokens``, ``min_new_tokens``, ``stop`` (a string or a
+    list of stop sequences), ``stop_token_ids``, ``ignore_eos``,
+    ``include_stop_sequence``, ``time_limit_ms``.
+
+    Other: ``session_id`` (make the request a turn of that session),
+    ``top_logprobs`` (N alternatives per token; 0: no logprobs), ``priority``
+    ("low", "normal" or "high"), ``add_special_tokens``,
+    ``skip_special_tokens``, ``request_id`` (default: the server assigns one;
+    ``bidi().start`` generates one).
+    """
+
+    token_ids: Sequence[int] | None
+    messages: Sequence[MessageLike] | None
+    session_id: str | None
+    max_new_tokens: int | None
+    min_new_tokens: int | None
+    temperature: float | None
+    top_k: int | None
+    top_p: float | None
+    min_p: float | None
+    repetition_penalty: float | None
+    frequency_penalty: float | None
+    presence_penalty: float | None
+    seed: int | None
+    stop: str | Sequence[str] | None
+    stop_token_ids: Sequence[int] | None
+    ignore_eos: bool | None
+    include_stop_sequence: bool | None
+    time_limit_ms: int | None
+    top_logprobs: int | None
+    priority: str | None
+    add_special_tokens: bool | None
+    skip_special_tokens: bool | None
+    request_id: str | None
+
+
+_FINISH_PREFIX = "FINISH_REASON_"
+_RUNNER_PREFIX = "RUNNER_KIND_"
+
+
+def _set_optional(message: object, **values: object) -> None:
+    for name, value in values.items():
+        if value is not None:
+            setattr(message, name, value)
+
+
+def _chat_message(message: MessageLike) -> common_pb2.ChatMessage:
+    if isinstance(message, ChatMessage):
+        return common_pb2.ChatMessage(role=message.role, content=message.content)
+    if isinstance(message, tuple):
+        role, content = message
+        return common_pb2.ChatMessage(role=role, content=content)
+    return common_pb2.ChatMessage(role=message["role"], content=message["content"])
+
+
+def messages_proto(messages: Iterable[MessageLike]) -> common_pb2.Messages:
+    return common_pb2.Messages(messages=[_chat_message(m) for m in messages])
+
+
+def priority_proto(priority: str | None) -> common_pb2.Priority:
+    if priority is None:
+        return common_pb2.PRIORITY_UNSPECIFIED
+    name = priority.upper().removeprefix("PRIORITY_")
+    try:
+        return common_pb2.Priority.Value("PRIORITY_" + name)
+    except ValueError:
+        raise ValueError(f"priority {priority!r} is not one of 'low', 'normal', 'high'") from None
+
+
+def generate_request(
+    prompt: str | None = None,
+    *,
+    token_ids: Sequence[int] | None = None,
+    messages: Sequence[MessageLike] | None = None,
+    session_id: str | None = None,
+    max_new_tokens: int | None = None,
+    min_new_tokens: int | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    ignore_eos: bool | None = None,
+    include_stop_sequence: bool | None = None,
+    time_limit_ms: int | None = None,
+    top_logprobs: int | None = None,
+    priority: str | None = None,
+    add_special_tokens: bool | None = None,
+    skip_special_tokens: bool | None = None,
+    request_id: str | None = None,
+) -> generate_pb2.GenerateRequest:
+    """Build a GenerateRequest; ``None`` leaves a field unset (server default)."""
+    given = [
+        name
+        for name, value in (("prompt", prompt), ("token_ids", token_ids), ("messages", messages))
+        if value is not None
+    ]
+    if len(given) != 1:
+        raise ValueError(
+            "give exactly one of prompt, token_ids, messages"
+            + (f" (got {', '.join(given)})" if given else "")
+        )
+    request = generate_pb2.GenerateRequest(
+        request_id=request_id or "",
+        session_id=session_id or "",
+        top_logprobs=top_logprobs or 0,
+        priority=priority_proto(priority),
+    )
+    if prompt is not None:
+        request.text = prompt
+    elif token_ids is not None:
+        request.token_ids.ids.extend(token_ids)
+    elif messages is not None:
+        request.messages.CopyFrom(messages_proto(messages))
+    _set_optional(
+        request,
+        add_special_tokens=add_special_tokens,
+        skip_special_tokens=skip_special_tokens,
+    )
+    sampling = generate_pb2.SamplingParams()
+    _set_optional(
+        sampling,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty,
+        seed=seed,
+    )
+    if sampling.ListFields():
+        request.sampling.CopyFrom(sampling)
+    stopping = generate_pb2.StoppingCriteria()
+    _set_optional(
+        stopping,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=min_new_tokens,
+        ignore_eos=ignore_eos,
+        include_stop_sequence=include_stop_sequence,
+        time_limit_ms=time_limit_ms,
+    )
+    if stop is not None:
+        stopping.stop_sequences.extend([stop] if isinstance(stop, str) else stop)
+    if stop_token_ids is not None:
+        stopping.stop_token_ids.extend(stop_token_ids)
+    if stopping.ListFields():
+        request.stopping.CopyFrom(stopping)
+    return request
+
+
+# --- generation results ------------------------------------------------------
+
+
+def finish_reason_name(value: int) -> str:
+    """``FINISH_REASON_EOS_TOKEN`` -> ``"EOS_TOKEN"``; unspecified -> ``""``."""
+    if value == common_pb2.FINISH_REASON_UNSPECIFIED:
+        return ""
+    try:
+        return common_pb2.FinishReason.Name(value).removeprefix(_FINISH_PREFIX)
+    except ValueError:  # a newer server's reason this client does not know
+        return str(value)
+
+
+def _finish_reason_value(name: str) -> common_pb2.FinishReason:
+    if not name:
+        return common_pb2.FINISH_REASON_UNSPECIFIED
+    return common_pb2.FinishReason.Value(_FINISH_PREFIX + name)
+
+
+def _logprobs(items: Iterable[common_pb2.TokenLogprob]) -> tuple[TokenLogprob, ...]:
+    return tuple(
+        TokenLogprob(
+            token_id=lp.token_id,
+            text=lp.text,
+            logprob=lp.logprob,
+            top=tuple(TopLogprob(t.token_id, t.text, t.logprob) for t in lp.top),
+        )
+        for lp in items
+    )
+
+
+def _usage(usage: common_pb2.Usage) -> Usage:
+    return Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+
+
+def delta_from_proto(delta: generate_pb2.Delta) -> Delta:
+    return Delta(
+        text=delta.text,
+        token_ids=tuple(delta.token_ids),
+        logprobs=_logprobs(delta.logprobs),
+    )
+
+
+def result_from_response(response: generate_pb2.GenerateResponse) -> GenerationResult:
+    return GenerationResult(
+        text=response.text,
+        token_ids=tuple(response.token_ids),
+        finish_reason=finish_reason_name(response.finish_reason),
+        stop_sequence=response.stop_sequence,
+        logprobs=_logprobs(response.logprobs),
+        usage=_usage(response.usage),
+        seed=response.seed,
+        session_id=response.session_id or None,
+        session_tokens=response.session_tokens,
+        request_id=response.request_id,
+    )
+
+
+def result_from_final(final: generate_pb2.Final, text: str) -> GenerationResult:
+    """A streamed request's result: its Final plus the deltas' joined ``text``."""
+    return GenerationResult(
+        text=text,
+        token_ids=tuple(final.token_ids),
+        finish_reason=finish_reason_name(final.finish_reason),
+        stop_sequence=final.stop_sequence,
+        logprobs=_logprobs(final.logprobs),
+        usage=_usage(final.usage),
+        seed=final.seed,
+        session_id=final.session_id or None,
+        session_tokens=final.session_tokens,
+        request_id=final.request_id,
+    )
+
+
+def result_to_response(result: GenerationResult) -> generate_pb2.GenerateResponse:
+    """The GenerateResponse a result came from (for protobuf-JSON output)."""
+    return generate_pb2.GenerateResponse(
+        text=result.text,
+        token_ids=result.token_ids,
+        finish_reason=_finish_reason_value(result.finish_reason),
+        stop_sequence=result.stop_sequence,
+        logprobs=[
+            common_pb2.TokenLogprob(
+                token_id=lp.token_id,
+                text=lp.text,
+                logprob=lp.logprob,
+                top=[
+                    common_pb2.TopLogprob(token_id=t.token_id, text=t.text, logprob=t.logprob)
+                    for t in lp.top
+                ],
+            )
+            for lp in result.logprobs
+        ],
+        usage=common_pb2.Usage(
+            prompt_tokens=result.usage.prompt_tokens,
+            completion_tokens=result.usage.completion_tokens,
+            cached_tokens=result.usage.cached_tokens,
+        ),
+        seed=result.seed,
+        session_id=result.session_id or "",
+        session_tokens=result.session_tokens,
+        request_id=result.request_id,
+    )
+
+
+def result_to_json(result: GenerationResult) -> str:
+    """A result as protobuf JSON of a GenerateResponse (every field shown)."""
+    return json_format.MessageToJson(
+        result_to_response(result), always_print_fields_with_no_presence=True
+    )
+
+
+def stream_event(
+    response: generate_pb2.GenerateStreamResponse, parts: list[str]
+) -> Delta | GenerationResult | None:
+    """A GenerateStream message as a Delta (its text appended to ``parts``) or,
+    for the final message, the whole result (text: ``parts`` joined)."""
+    kind = response.WhichOneof("event")
+    if kind == "delta":
+        delta = delta_from_proto(response.delta)
+        parts.append(delta.text)
+        return delta
+    if kind == "final":
+        return result_from_final(response.final, "".join(parts))
+    return None  # an event kind this client does not know
+
+
+# --- bidi --------------------------------------------------------------------
+
+
+def bidi_event(
+    response: generate_pb2.BidiResponse, texts: dict[str, list[str]]
+) -> BidiEvent | None:
+    """A BidiResponse as an event. ``texts`` maps each running request id to
+    its delta texts so far; a request's entry is removed when it ends. Events
+    of unknown or ended requests give ``None``."""
+    request_id = response.request_id
+    parts = texts.get(request_id)
+    if parts is None:
+        return None
+    kind = response.WhichOneof("event")
+    if kind == "delta":
+        delta = delta_from_proto(response.delta)
+        parts.append(delta.text)
+        return BidiEvent(request_id, delta=delta)
+    del texts[request_id]
+    if kind == "final":
+        return BidiEvent(request_id, result=result_from_final(response.final, "".join(parts)))
+    if kind == "error":
+        error = error_for_number(response.error.code, response.error.message)
+        return BidiEvent(request_id, error=error)
+    return BidiEvent(request_id, error=InternalError(f"request {request_id}: empty event"))
+
+
+def bidi_start(request: generate_pb2.GenerateRequest) -> generate_pb2.BidiRequest:
+    return generate_pb2.BidiRequest(start=request)
+
+
+def bidi_cancel(request_id: str) -> generate_pb2.BidiRequest:
+    return generate_pb2.BidiRequest(cancel=generate_pb2.CancelRequest(request_id=request_id))
+
+
+# --- sessions ----------------------------------------------------------------
+
+
+def create_session_request(
+    idle_ttl_seconds: int | None, metadata: Mapping[str, str] | None
+) -> session_pb2.CreateSessionRequest:
+    request = session_pb2.CreateSessionRequest(metadata=dict(metadata or {}))
+    if idle_ttl_seconds is not None:
+        request.idle_ttl_seconds = idle_ttl_seconds
+    return request
+
+
+def get_session_request(session_id: str) -> session_pb2.GetSessionRequest:
+    return session_pb2.GetSessionRequest(session_id=session_id)
+
+
+def reset_session_request(session_id: str) -> session_pb2.ResetSessionRequest:
+    return session_pb2.ResetSessionRequest(session_id=session_id)
+
+
+def close_session_request(session_id: str) -> session_pb2.CloseSessionRequest:
+    return session_pb2.CloseSessionRequest(session_id=session_id)
+
+
+def list_sessions_request() -> session_pb2.ListSessionsRequest:
+    return session_pb2.ListSessionsRequest()
+
+
+def session_from_proto(session: session_pb2.Session) -> SessionInfo:
+    return SessionInfo(
+        session_id=session.session_id,
+        created_at=session.created_at.ToDatetime(tzinfo=UTC),
+        last_used_at=session.last_used_at.ToDatetime(tzinfo=UTC),
+        history_tokens=session.history_tokens,
+        turns=session.turns,
+        idle_ttl_seconds=session.idle_ttl_seconds,
+        busy=session.busy,
+        metadata=dict(session.metadata),
+    )
+
+
+# --- model -------------------------------------------------------------------
+
+
+def model_info_request() -> model_pb2.GetModelInfoRequest:
+    return model_pb2.GetModelInfoRequest()
+
+
+def model_info_from_proto(info: model_pb2.ModelInfo) -> ModelInfo:
+    layout = info.kv_layout
+    try:
+        runner = model_pb2.RunnerKind.Name(info.runner_kind).removeprefix(_RUNNER_PREFIX)
+    except ValueError:  # a newer server's runner this client does not know
+        runner = str(info.runner_kind)
+    return ModelInfo(
+        model_id=info.model_id,
+        context_length=info.context_length,
+        vocab_size=info.vocab_size,
+        eos_token_ids=tuple(info.eos_token_ids),
+        kv_layout=KvLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype),
+        runner_kind="" if runner == "UNSPECIFIED" else runner,
+        has_chat_template=info.has_chat_template,
+        kv_chunk_size=info.kv_chunk_size,
+    )
+
+
+def tokenize_request(
+    text: str | None,
+    messages: Sequence[MessageLike] | None,
+    add_special_tokens: bool | None,
+) -> model_pb2.TokenizeRequest:
+    if (text is None) == (messages is None):
+        raise ValueError("give exactly one of text, messages")
+    request = model_pb2.TokenizeRequest(return_tokens=True)
+    if text is not None:
+        request.text = text
+    elif messages is not None:
+        request.messages.CopyFrom(messages_proto(messages))
+    if add_special_tokens is not None:
+        request.add_special_tokens = add_special_tokens
+    return request
+
+
+def tokens_from_proto(response: model_pb2.TokenizeResponse) -> list[Token]:
+    if response.tokens:
+        return [Token(t.id, t.text, t.char_start, t.char_end) for t in response.tokens]
+    # A server that ignored return_tokens: ids only.
+    return [Token(i, "") for i in response.token_ids]
+
+
+def detokenize_request(
+    token_ids: Sequence[int], skip_special_tokens: bool | None
+) -> model_pb2.DetokenizeRequest:
+    request = model_pb2.DetokenizeRequest(token_ids=token_ids)
+    if skip_special_tokens is not None:
+        request.skip_special_tokens = skip_special_tokens
+    return request

@@ -1,0 +1,376 @@
+"""``genai``: command-line client of a genai-grpc server.
+
+    genai --target localhost:50051 generate "Once upon a time" --max-new-tokens 32
+    genai generate --token-ids 1,15043 --json
+    genai chat --system "You are terse."
+    genai session create --idle-ttl-seconds 600
+    genai info
+    genai tokenize "Hello world"
+
+``generate`` streams text to stdout as it arrives; with ``--json`` it prints
+the whole response as protobuf JSON (a ``genai.v1.GenerateResponse``).
+Exit status: 0 on success, 1 when a call fails (the status code and message
+go to stderr), 2 on bad usage, 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, TextIO
+
+from genai_client import _convert
+from genai_client.client import Client, Session
+from genai_client.errors import GenAIClientError
+
+DEFAULT_TARGET = "localhost:50051"
+
+# Flags shared by `generate` and `chat`: (flag, type, help); the destination
+# is the GenerateOptions key of the same name.
+_VALUE_FLAGS: list[tuple[str, Any, str]] = [
+    ("--max-new-tokens", int, "most tokens to generate"),
+    ("--min-new-tokens", int, "EOS and stop token ids cannot stop before this many tokens"),
+    ("--temperature", float, "softmax temperature; 0 or unset: greedy"),
+    ("--top-k", int, "sample among the K most likely tokens (0: off)"),
+    ("--top-p", float, "nucleus sampling probability mass, in (0, 1]"),
+    ("--min-p", float, "drop tokens below MIN_P times the top probability"),
+    ("--repetition-penalty", float, "penalty on already-seen tokens (1: off)"),
+    ("--frequency-penalty", float, "subtracted per occurrence in the output (0: off)"),
+    ("--presence-penalty", float, "subtracted once a token occurs in the output (0: off)"),
+    ("--seed", int, "random seed (same seed, same tokens)"),
+    ("--time-limit-ms", int, "wall-clock budget in milliseconds"),
+    ("--top-logprobs", int, "return logprobs with N alternatives per token"),
+]
+_OPTION_KEYS = [flag[2:].replace("-", "_") for flag, _, _ in _VALUE_FLAGS] + [
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "include_stop_sequence",
+    "priority",
+    "add_special_tokens",
+    "skip_special_tokens",
+]
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def _generation_flags() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    group = parent.add_argument_group("sampling and stopping")
+    for flag, kind, help_text in _VALUE_FLAGS:
+        group.add_argument(flag, type=kind, help=help_text, metavar="N" if kind is int else "F")
+    group.add_argument("--stop", action="append", metavar="S", help="stop sequence (repeatable)")
+    group.add_argument(
+        "--stop-token-ids",
+        type=_int_list,
+        metavar="IDS",
+        help="comma-separated token ids that stop generation",
+    )
+    group.add_argument(
+        "--ignore-eos",
+        action="store_const",
+        const=True,
+        help="keep generating after end-of-sequence tokens",
+    )
+    group.add_argument(
+        "--include-stop-sequence",
+        action="store_const",
+        const=True,
+        help="keep the matched stop sequence in the text",
+    )
+    group.add_argument("--priority", choices=["low", "normal", "high"])
+    group.add_argument(
+        "--no-special-tokens",
+        dest="add_special_tokens",
+        action="store_const",
+        const=False,
+        help="do not add special tokens (e.g. BOS) to the prompt",
+    )
+    group.add_argument(
+        "--keep-special-tokens",
+        dest="skip_special_tokens",
+        action="store_const",
+        const=False,
+        help="keep special tokens in the generated text",
+    )
+    return parent
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``genai`` argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="genai", description="Command-line client of a genai-grpc server."
+    )
+    parser.add_argument(
+        "--target",
+        default=os.environ.get("GENAI_TARGET", DEFAULT_TARGET),
+        help="server HOST:PORT (env GENAI_TARGET; default %(default)s)",
+    )
+    parser.add_argument(
+        "--token", default=os.environ.get("GENAI_TOKEN"), help="bearer token (env GENAI_TOKEN)"
+    )
+    parser.add_argument("--tls", action="store_true", help="connect with TLS")
+    parser.add_argument("--root-cert", type=Path, help="PEM CA bundle (implies --tls)")
+    parser.add_argument("--client-cert", type=Path, help="PEM client certificate (mTLS)")
+    parser.add_argument("--client-key", type=Path, help="PEM client key (mTLS)")
+    parser.add_argument("--timeout", type=float, help="deadline of each call, in seconds")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    flags = _generation_flags()
+
+    gen = commands.add_parser("generate", parents=[flags], help="generate from a prompt")
+    gen.add_argument("prompt", nargs="?", help="prompt text (default: read stdin)")
+    gen.add_argument(
+        "--token-ids",
+        type=_int_list,
+        metavar="IDS",
+        help="comma-separated prompt token ids instead of text",
+    )
+    gen.add_argument(
+        "--session", dest="session_id", metavar="ID", help="run as a turn of this session"
+    )
+    gen.add_argument("--request-id", help="request id for server logs")
+    gen.add_argument(
+        "--json", action="store_true", help="print the whole response as protobuf JSON"
+    )
+
+    chat = commands.add_parser("chat", parents=[flags], help="interactive multi-turn chat")
+    chat.add_argument(
+        "--session",
+        dest="session_id",
+        metavar="ID",
+        help="continue this session (left open on exit)",
+    )
+    chat.add_argument("--system", help="system message of the first turn")
+
+    session = commands.add_parser("session", help="manage sessions")
+    actions = session.add_subparsers(dest="action", required=True, metavar="ACTION")
+    create = actions.add_parser("create", help="create a session")
+    create.add_argument("--idle-ttl-seconds", type=int)
+    create.add_argument(
+        "--metadata",
+        type=_key_value,
+        action="append",
+        metavar="KEY=VALUE",
+        default=[],
+        help="label kept with the session (repeatable)",
+    )
+    for name, help_text in (
+        ("get", "describe a session"),
+        ("reset", "clear its history"),
+        ("close", "close a session"),
+    ):
+        actions.add_parser(name, help=help_text).add_argument("session_id", metavar="ID")
+    actions.add_parser("list", help="list open sessions")
+
+    commands.add_parser("info", help="describe the served model")
+
+    tok = commands.add_parser("tokenize", help="tokenize text")
+    tok.add_argument("text")
+    tok.add_argument(
+        "--no-special-tokens", dest="add_special_tokens", action="store_const", const=False
+    )
+    tok.add_argument("--json", action="store_true", help="print tokens as JSON")
+
+    detok = commands.add_parser("detokenize", help="decode token ids")
+    detok.add_argument("token_ids", type=_int_list, metavar="IDS")
+    detok.add_argument(
+        "--keep-special-tokens", dest="skip_special_tokens", action="store_const", const=False
+    )
+    return parser
+
+
+def _client(args: argparse.Namespace) -> Client:
+    def read(path: Path | None) -> bytes | None:
+        return path.read_bytes() if path is not None else None
+
+    return Client(
+        args.target,
+        tls=args.tls,
+        root_certificates=read(args.root_cert),
+        certificate_chain=read(args.client_cert),
+        private_key=read(args.client_key),
+        token=args.token,
+        timeout=args.timeout,
+    )
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    return {key: getattr(args, key) for key in _OPTION_KEYS if getattr(args, key) is not None}
+
+
+def _jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {k: _jsonable(v) for k, v in dataclasses.asdict(value).items()}
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return value
+
+
+def _print_json(value: Any, out: TextIO) -> None:
+    out.write(json.dumps(_jsonable(value), indent=2, ensure_ascii=False) + "\n")
+
+
+def _generate(client: Client, args: argparse.Namespace, out: TextIO) -> int:
+    options = _options(args)
+    for key in ("session_id", "request_id"):
+        if getattr(args, key):
+            options[key] = getattr(args, key)
+    prompt = args.prompt
+    if args.token_ids is not None:
+        if prompt is not None:
+            raise ValueError("give either a PROMPT or --token-ids, not both")
+        options["token_ids"] = args.token_ids
+    elif prompt is None:
+        if sys.stdin.isatty():
+            raise ValueError("give a PROMPT, --token-ids, or a prompt on stdin")
+        prompt = sys.stdin.read()
+    if args.json:
+        out.write(_convert.result_to_json(client.generate(prompt, **options)) + "\n")
+        return 0
+    with client.stream(prompt, **options) as stream:
+        for delta in stream:
+            out.write(delta.text)
+            out.flush()
+    out.write("\n")
+    return 0
+
+
+def _chat(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    options = _options(args)
+    interactive = sys.stdin.isatty()
+    status = 0
+    session: Session = client.session(args.session_id)
+    with session:
+        err.write(f"session {session.id}: /reset clears the history, /exit quits\n")
+        first_turn = session.info().turns == 0
+        while True:
+            if interactive:
+                err.write("> ")
+                err.flush()
+            line = sys.stdin.readline()
+            if not line:  # EOF
+                break
+            line = line.strip()
+            if not line:
+                continue
+            if line == "/exit":
+                break
+            try:
+                if line == "/reset":
+                    session.reset()
+                    first_turn = True
+                    err.write("(history cleared)\n")
+                    continue
+                messages = [("user", line)]
+                if first_turn and args.system:
+                    messages.insert(0, ("system", args.system))
+                started = time.perf_counter()
+                with session.stream(messages=messages, **options) as stream:
+                    for delta in stream:
+                        out.write(delta.text)
+                        out.flush()
+                out.write("\n")
+                elapsed = max(time.perf_counter() - started, 1e-9)
+                tokens = stream.result.usage.completion_tokens or len(stream.result.token_ids)
+                err.write(
+                    f"[{tokens} tokens in {elapsed:.2f} s, {tokens / elapsed:.1f} tokens/s,"
+                    f" {stream.result.finish_reason}]\n"
+                )
+                first_turn = False
+            except GenAIClientError as error:
+                _report(error, err)
+                status = 1
+    return status
+
+
+def _session(client: Client, args: argparse.Namespace, out: TextIO) -> int:
+    if args.action == "create":
+        info = client.create_session(
+            idle_ttl_seconds=args.idle_ttl_seconds, metadata=dict(args.metadata)
+        )
+        _print_json(info, out)
+    elif args.action == "get":
+        _print_json(client.get_session(args.session_id), out)
+    elif args.action == "reset":
+        _print_json(client.reset_session(args.session_id), out)
+    elif args.action == "close":
+        client.close_session(args.session_id)
+    elif args.action == "list":
+        _print_json(client.list_sessions(), out)
+    return 0
+
+
+def _tokenize(client: Client, args: argparse.Namespace, out: TextIO) -> int:
+    tokens = client.tokenize(args.text, add_special_tokens=args.add_special_tokens)
+    if args.json:
+        _print_json(tokens, out)
+    else:
+        for token in tokens:
+            out.write(f"{token.id}\t{json.dumps(token.text, ensure_ascii=False)}\n")
+    return 0
+
+
+def _report(error: GenAIClientError, err: TextIO) -> None:
+    err.write(f"error: {error.code.name}: {error.details}\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``genai`` command; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    out, err = sys.stdout, sys.stderr
+    try:
+        with _client(args) as client:
+            if args.command == "generate":
+                return _generate(client, args, out)
+            if args.command == "chat":
+                return _chat(client, args, out, err)
+            if args.command == "session":
+                return _session(client, args, out)
+            if args.command == "info":
+                _print_json(client.model_info(), out)
+            elif args.command == "tokenize":
+                return _tokenize(client, args, out)
+            elif args.command == "detokenize":
+                text = client.detokenize(
+                    args.token_ids, skip_special_tokens=args.skip_special_tokens
+                )
+                out.write(text + "\n")
+            return 0
+    except GenAIClientError as error:
+        _report(error, err)
+        return 1
+    except (ValueError, OSError) as error:
+        err.write(f"genai: error: {error}\n")
+        return 2
+    except KeyboardInterrupt:
+        err.write("\n")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""What the client returns: plain frozen dataclasses, never protobuf messages.
+
+Field meanings follow ``protos/genai/v1/*.proto``; enums are given as their
+short names (``finish_reason="EOS_TOKEN"``, ``runner_kind="SHARED_BUFFER"``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from genai_client.errors import GenAIClientError
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One message of a chat conversation (``role`` is e.g. "user")."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    """One alternative token at a generation step."""
+
+    token_id: int
+    text: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Natural-log probability of a generated token, with the ``top`` most
+    likely alternatives at that step (most likely first)."""
+
+    token_id: int
+    text: str
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token accounting of one request."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV cache was reused, not recomputed
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Output of a streamed request since its previous delta.
+
+    ``text`` may be empty while the new tokens do not complete a character
+    (or may start a stop sequence); concatenating every delta's text gives the
+    request's whole text.
+    """
+
+    text: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """The whole outcome of one generation request.
+
+    ``finish_reason`` is one of "MAX_TOKENS", "EOS_TOKEN", "STOP_SEQUENCE",
+    "CONTEXT_LENGTH", "TIME_LIMIT", "CANCELLED". ``session_id`` is ``None``
+    and ``session_tokens`` 0 for a stateless request.
+    """
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    stop_sequence: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    usage: Usage = field(default_factory=Usage)
+    seed: int = 0
+    session_id: str | None = None
+    session_tokens: int = 0
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """A server-side session (see ``SessionService``)."""
+
+    session_id: str
+    created_at: datetime
+    last_used_at: datetime
+    history_tokens: int
+    turns: int
+    idle_ttl_seconds: int
+    busy: bool
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """Shape and element type (numpy name, e.g. "float16") of the KV cache."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The served model. ``runner_kind`` is "PAST_PRESENT" or "SHARED_BUFFER"."""
+
+    model_id: str
+    context_length: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    kv_layout: KvLayout
+    runner_kind: str
+    has_chat_template: bool
+    kv_chunk_size: int
+
+
+@dataclass(frozen=True)
+class Token:
+    """One token of a tokenized text: its id, its vocabulary string and its
+    span ``[char_start, char_end)`` in the encoded text, in code points."""
+
+    id: int
+    text: str
+    char_start: int = 0
+    char_end: int = 0
+
+
+@dataclass(frozen=True)
+class BidiEvent:
+    """One event of a :meth:`Client.bidi` stream, tagged with its request.
+
+    Exactly one of ``delta``, ``result`` and ``error`` is set. A request's
+    events are zero or more deltas, then one ``result`` (its text is the
+    concatenation of the deltas' text) or one ``error``.
+    """
+
+    request_id: str
+    delta: Delta | None = None
+    result: GenerationResult | None = None
+    error: GenAIClientError | None = None
+
+    @property
+    def done(self) -> bool:
+        """True for the last event of its request (a result or an error)."""
+        return self.result is not None or self.error is not None

@@ -1,0 +1,43 @@
+"""Wire limits shared by the kvstore server and its clients (DESIGN.md §4)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+# Blob data travels in frames of at most this many bytes, far below gRPC's
+# 4 MiB default message limit, so that one blob never becomes one message.
+MAX_FRAME_BYTES = 1 << 20
+
+# Channel message limit on both ends: frames are <= 1 MiB plus a few bytes of
+# framing; the headroom only matters for a peer that ignores the frame limit
+# (which then gets INVALID_ARGUMENT from the servicer, not a transport error).
+MAX_MESSAGE_BYTES = 8 << 20
+
+# Keys are opaque bytes; chunk keys are 16-byte blake2b digests.
+MAX_KEY_BYTES = 256
+
+# Most keys one Lookup may carry (a 256-token chunk each: 16M tokens).
+MAX_LOOKUP_KEYS = 65536
+
+SERVICE_NAME = "kvstore.v1.KvStore"
+
+# Data-plane channel options (no compression is passed separately: KV tensors
+# do not compress and the CPU is better spent elsewhere).
+CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+)
+
+
+def key_error(key: bytes, field: str = "key") -> str | None:
+    """Why ``key`` is not a valid key, or None when it is."""
+    if not 1 <= len(key) <= MAX_KEY_BYTES:
+        return f"{field} is {len(key)} bytes; allowed 1 to {MAX_KEY_BYTES}"
+    return None
+
+
+def split_frames(blob: bytes | bytearray | memoryview) -> Iterator[bytes]:
+    """Slices of ``blob``, in order, each at most ``MAX_FRAME_BYTES``."""
+    view = memoryview(blob)
+    for offset in range(0, len(view), MAX_FRAME_BYTES):
+        yield bytes(view[offset : offset + MAX_FRAME_BYTES])
