@@ -443,3 +443,43 @@ def test_sigterm_drains_and_exits_zero(long_context_model_dir: Path, tmp_path: P
         if line.startswith("{")
     ]
     assert "draining" in events and "stopped" in events
+
+
+def test_session_chat_turns_continue_the_conversation(channel: grpc.Channel) -> None:
+    sessions = session_pb2_grpc.SessionServiceStub(channel)
+    stub = generate_pb2_grpc.GenerateServiceStub(channel)
+    models = model_pb2_grpc.ModelServiceStub(channel)
+    sid = sessions.CreateSession(session_pb2.CreateSessionRequest()).session.session_id
+
+    def turn(content: str) -> generate_pb2.GenerateResponse:
+        msgs = common_pb2.Messages(messages=[common_pb2.ChatMessage(role="user", content=content)])
+        return stub.Generate(
+            generate_pb2.GenerateRequest(
+                messages=msgs,
+                session_id=sid,
+                stopping=generate_pb2.StoppingCriteria(max_new_tokens=3, ignore_eos=True),
+            )
+        )
+
+    t1 = turn("hello")
+    t2 = turn("who are you ?")
+    # turn 2's new tokens: the close of turn 1 and the new user message, no restart
+    added = t2.usage.prompt_tokens - t2.usage.cached_tokens
+    want = models.Tokenize(
+        model_pb2.TokenizeRequest(
+            text="</s> <s> user : who are you ? </s> <s> assistant :", add_special_tokens=False
+        )
+    )
+    assert added == len(want.token_ids)
+    assert t2.usage.cached_tokens == t1.session_tokens
+
+
+def test_closing_a_session_cancels_its_running_turn(channel: grpc.Channel) -> None:
+    sessions = session_pb2_grpc.SessionServiceStub(channel)
+    stub = generate_pb2_grpc.GenerateServiceStub(channel)
+    sid = sessions.CreateSession(session_pb2.CreateSessionRequest()).session.session_id
+    stream = stub.GenerateStream(gen_request("the cat", 3000, session_id=sid))
+    next(stream)
+    sessions.CloseSession(session_pb2.CloseSessionRequest(session_id=sid))
+    events = list(stream)
+    assert events[-1].final.finish_reason == common_pb2.FINISH_REASON_CANCELLED

@@ -218,6 +218,9 @@ class LLMEngine:
         return SessionTable.info(self.sessions.reset(session_id))
 
     def close_session(self, session_id: str) -> SessionInfo:
+        session = self.sessions.get(session_id)
+        if session.running_request_id is not None:
+            self.abort(session.running_request_id)  # closing cancels a running turn
         return SessionTable.info(self.sessions.close(session_id))
 
     def list_sessions(self) -> list[SessionInfo]:

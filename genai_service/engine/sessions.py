@@ -56,6 +56,7 @@ class SessionInfo:
     turns: int
     busy: bool
     metadata: dict[str, str] = field(default_factory=dict)
+    last_token_id: int | None = None  # lets the frontend continue a chat template
 
 
 def _not_found(session_id: str) -> NotFound:
@@ -180,4 +181,5 @@ class SessionTable:
             turns=session.turns,
             busy=session.busy,
             metadata=dict(session.metadata),
+            last_token_id=session.history[-1] if session.history else None,
         )

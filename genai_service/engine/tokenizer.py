@@ -138,6 +138,41 @@ class Tokenizer:
         except Exception as e:  # a template tripping over unexpected input is still bad input
             raise InvalidArgument(f"messages: chat template error: {type(e).__name__}: {e}") from e
 
+    def render_continuation(
+        self, messages: Sequence[Mapping[str, str]], history_ends_with: str = ""
+    ) -> str:
+        """The text that continues an existing conversation with ``messages``.
+
+        A session turn must not repeat what the template writes once per
+        conversation (BOS, a default system prompt). We render a placeholder
+        earlier turn followed by ``messages`` and keep what comes after the
+        placeholder: the end of the previous turn, the new messages and the
+        generation prompt. ``history_ends_with`` is the text of the session's
+        last token; if the continuation starts with it (the model already
+        produced its end-of-turn token) it is not repeated.
+        """
+        marker = "\u2063genai-earlier-turn\u2063"
+        attempts = (
+            [{"role": "assistant", "content": marker}],
+            [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}],
+        )
+        error: InvalidArgument | None = None
+        for earlier in attempts:
+            try:
+                full = self.apply_chat_template([*earlier, *messages], add_generation_prompt=True)
+            except InvalidArgument as e:
+                error = e
+                continue
+            if marker not in full:
+                break
+            text = full[full.index(marker) + len(marker) :]
+            if history_ends_with and text.lstrip().startswith(history_ends_with):
+                text = text.lstrip()[len(history_ends_with) :]
+            return text
+        if error is not None:
+            raise error
+        return self.apply_chat_template(messages, add_generation_prompt=True)
+
 
 def _check_messages(messages: Sequence[Mapping[str, str]]) -> list[dict[str, Any]]:
     if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):

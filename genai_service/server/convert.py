@@ -47,10 +47,30 @@ def prompt_token_ids(
     request: generate_pb2.GenerateRequest | model_pb2.TokenizeRequest,
     tokenizer: Tokenizer,
     max_input_chars: int,
+    session: SessionInfo | None = None,
 ) -> tuple[list[int], str]:
-    """Tokenize the request's input; returns the ids and the text they came from."""
+    """Tokenize the request's input; returns the ids and the text they came from.
+
+    For a turn of a session that has history, text gets no special tokens by
+    default (no BOS mid-conversation) and messages render as a continuation
+    of the conversation rather than a new one.
+    """
     kind = request.WhichOneof("input")
-    add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+    continuing = session is not None and session.history_tokens > 0
+    default_special = not continuing
+    add_special = (
+        request.add_special_tokens if request.HasField("add_special_tokens") else default_special
+    )
+    if kind == "messages" and continuing:
+        assert session is not None
+        if not request.messages.messages:
+            raise InvalidArgument("messages: is empty; give at least one message")
+        size = sum(len(m.content) + len(m.role) for m in request.messages.messages)
+        _check_size("messages", size, max_input_chars)
+        last = session.last_token_id
+        ends_with = tokenizer.token_text(last) if last is not None else ""
+        text = tokenizer.render_continuation(messages_to_dicts(request.messages), ends_with)
+        return tokenizer.encode(text, add_special_tokens=False), text
     if kind == "text":
         text = request.text
         _check_size("text", len(text), max_input_chars)

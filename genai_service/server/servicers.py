@@ -69,8 +69,12 @@ class Frontend:
         if self.draining:
             raise Unavailable("the server is shutting down; retry on another replica")
 
-    def build_request(self, request: generate_pb2.GenerateRequest) -> Any:
-        ids, _ = convert.prompt_token_ids(request, self.tokenizer, self.max_input_chars)
+    async def build_request(self, request: generate_pb2.GenerateRequest) -> Any:
+        session = None
+        if request.session_id:
+            # NOT_FOUND for an unknown session comes from here, before any work.
+            session = await self.engine.call("get_session", request.session_id)
+        ids, _ = convert.prompt_token_ids(request, self.tokenizer, self.max_input_chars, session)
         return convert.generation_request(request, ids)
 
     async def outputs(self, request: Any) -> AsyncIterator[RequestOutput]:
@@ -140,7 +144,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.GenerateResponse:
-        outputs = [out async for out in self.fe.outputs(self.fe.build_request(request))]
+        outputs = [out async for out in self.fe.outputs(await self.fe.build_request(request))]
         return convert.generate_response(outputs)
 
     @rpc
@@ -148,7 +152,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateStreamResponse]:
         outputs: list[RequestOutput] = []
-        async for out in self.fe.outputs(self.fe.build_request(request)):
+        async for out in self.fe.outputs(await self.fe.build_request(request)):
             outputs.append(out)
             if out.token_ids or out.text:
                 yield generate_pb2.GenerateStreamResponse(delta=convert.delta(out))
@@ -181,7 +185,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         async def run_one(rid: str, start: generate_pb2.GenerateRequest) -> None:
             outputs: list[RequestOutput] = []
             try:
-                async for out in self.fe.outputs(self.fe.build_request(start)):
+                async for out in self.fe.outputs(await self.fe.build_request(start)):
                     outputs.append(out)
                     if out.token_ids or out.text:
                         events.put_nowait(
