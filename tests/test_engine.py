@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from genai_service.config import CacheConfig, EngineConfig, LimitsConfig, SchedulerConfig
+from genai_service.config import (
+    CacheConfig,
+    EngineConfig,
+    LimitsConfig,
+    RunnerConfig,
+    SchedulerConfig,
+)
 from genai_service.engine.engine import LLMEngine
 from genai_service.engine.request import (
     FinishReason,
@@ -37,6 +43,7 @@ PROMPTS = [
 def make_engine(model_dir: Path, **overrides) -> LLMEngine:
     config = EngineConfig(
         model_dir=str(model_dir),
+        runner=overrides.pop("runner", RunnerConfig()),
         scheduler=overrides.pop("scheduler", SchedulerConfig()),
         cache=overrides.pop("cache", CacheConfig(chunk_size=4)),
         limits=overrides.pop("limits", LimitsConfig()),
@@ -52,26 +59,44 @@ def greedy(rid: str, prompt: str | list[int], n: int, **stopping) -> GenerationR
     )
 
 
-@pytest.mark.parametrize("variant", ["rope", "learned", "gqa", "gqa-learned"])
-def test_kv_path_equals_full_recompute_batched(tiny_models: dict[str, Path], variant: str) -> None:
+RUNNERS = [
+    ("rope", "past_present"),
+    ("learned", "past_present"),
+    ("gqa", "past_present"),
+    ("gqa", "shared_buffer"),
+    ("gqa-learned", "past_present"),
+    ("gqa-learned", "shared_buffer"),
+]
+
+
+@pytest.mark.parametrize(("variant", "runner"), RUNNERS)
+def test_kv_path_equals_full_recompute_batched(
+    tiny_models: dict[str, Path], variant: str, runner: str
+) -> None:
     """All prompts run together: batched decode of sequences of different lengths."""
     model_dir = tiny_models[variant]
-    engine = make_engine(model_dir, cache=CacheConfig(chunk_size=4, prefix_cache_bytes=0))
+    engine = make_engine(
+        model_dir,
+        cache=CacheConfig(chunk_size=4, prefix_cache_bytes=0),
+        runner=RunnerConfig(runner=runner),
+    )
+    assert engine.runner.kind == runner
     results = engine.run_to_completion(greedy(f"r{i}", p, 12) for i, p in enumerate(PROMPTS))
     for i, prompt in enumerate(PROMPTS):
         want = reference_greedy(model_dir, encode_words(prompt), 12)
         assert list(results[f"r{i}"].token_ids) == want, prompt
 
 
-@pytest.mark.parametrize("variant", ["rope", "gqa"])
+@pytest.mark.parametrize(("variant", "runner"), RUNNERS)
 def test_chunked_prefill_and_sequences_joining_mid_batch(
-    tiny_models: dict[str, Path], variant: str
+    tiny_models: dict[str, Path], variant: str, runner: str
 ) -> None:
     model_dir = tiny_models[variant]
     engine = make_engine(
         model_dir,
         scheduler=SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=5),
         cache=CacheConfig(chunk_size=4, prefix_cache_bytes=0),
+        runner=RunnerConfig(runner=runner),
     )
     outs: dict[str, list] = {}
     engine.add_request(greedy("a", PROMPTS[0], 10))
@@ -88,6 +113,8 @@ def test_chunked_prefill_and_sequences_joining_mid_batch(
     for rid, prompt, n in (("a", 0, 10), ("b", 2, 6), ("c", 3, 8), ("d", 1, 5)):
         want = reference_greedy(model_dir, encode_words(PROMPTS[prompt]), n)
         assert list(collect(outs[rid]).token_ids) == want, rid
+    if runner == "shared_buffer":
+        assert engine.runner.moves > 0  # b left before c: c's slot was compacted
 
 
 def test_two_turn_session_equals_one_request_over_the_history(tiny_model_dir: Path) -> None:

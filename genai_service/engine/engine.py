@@ -76,11 +76,13 @@ class LLMEngine:
         self.config = config
         self.spec = spec or load_model_spec(config.model_dir)
         self.tokenizer = tokenizer or Tokenizer.from_dir(self.spec.path, self.spec)
-        self.runner = runner or create_runner(self.spec, config.runner)
         context = self.spec.context_length or DEFAULT_CONTEXT_LENGTH
         if config.max_context_length is not None:
             context = min(context, config.max_context_length)
         self.context_length = context
+        self.runner = runner or create_runner(
+            self.spec, config.runner, max_slots=config.scheduler.max_num_seqs, max_len=context
+        )
         self.vocab_size = self.spec.vocab_size
         self.scheduler = Scheduler(config.scheduler, admit=self._admit)
         self.sessions = SessionTable(

@@ -199,8 +199,20 @@ class PastPresentRunner(ModelRunner):
         return np.asarray(logits[:, -1, :], np.float32)
 
 
-def create_runner(spec: ModelSpec, config: RunnerConfig) -> ModelRunner:
-    """Pick the runner the graph allows (``config.runner`` may force one)."""
-    if config.runner == "shared_buffer":
-        raise ValueError("runner: shared_buffer is not available for this model yet")
+def create_runner(
+    spec: ModelSpec, config: RunnerConfig, max_slots: int, max_len: int
+) -> ModelRunner:
+    """Pick the runner the graph allows: shared-buffer for GroupQueryAttention
+    graphs, past/present otherwise (``config.runner`` may force one)."""
+    kind = config.runner
+    if kind == "auto":
+        kind = "shared_buffer" if spec.uses_gqa else "past_present"
+    if kind == "shared_buffer":
+        if not spec.uses_gqa:
+            raise ValueError(
+                "runner: shared_buffer needs a graph with com.microsoft.GroupQueryAttention"
+            )
+        from .shared_buffer_runner import SharedBufferRunner
+
+        return SharedBufferRunner(spec, config, max_slots=max_slots, max_len=max_len)
     return PastPresentRunner(spec, config)

@@ -1,0 +1,199 @@
+"""The shared-buffer runner: KV written in place by GroupQueryAttention (DESIGN §3).
+
+Per layer, K and V live in one buffer ``[max_slots, kv_heads, max_len,
+head_dim]`` allocated once (``np.zeros``: pages are only touched, and so only
+resident, as sequences grow). The same memory is bound through IOBinding as
+both ``past_key_values.*`` and ``present.*``, so ORT's GQA kernel appends new
+KV in place: no per-step copy or allocation of KV.
+
+Each sequence owns a slot; active slots are kept contiguous from 0 (when a
+sequence leaves, the last one moves into its slot), so one decode step binds
+rows ``[0, B)`` of every buffer. A running sequence that is not decoding this
+step (its prompt is mid-prefill) rides along as a dummy row: its token lands
+at its current length, past its valid KV, and is overwritten by its next
+prefill chunk; its logits are dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import onnxruntime as ort
+
+from ..config import RunnerConfig
+from .model_dir import ModelSpec
+from .model_runner import ModelRunner, StepItem, make_session_options
+from .prefix_cache import KvLayers
+
+
+class SharedBufferRunner(ModelRunner):
+    kind = "shared_buffer"
+
+    def __init__(self, spec: ModelSpec, config: RunnerConfig, max_slots: int, max_len: int) -> None:
+        if not spec.uses_gqa:
+            raise ValueError("the shared-buffer runner needs a GroupQueryAttention graph")
+        self.spec = spec
+        self.max_slots = max_slots
+        self.max_len = max_len
+        self.session = ort.InferenceSession(
+            str(spec.onnx_path), make_session_options(config), providers=["CPUExecutionProvider"]
+        )
+        kv = spec.kv
+        self._dtype = np.dtype(kv.dtype)
+        shape = (max_slots, kv.num_kv_heads, max_len, kv.head_dim)
+        # [max_slots, kv_heads, max_len, head_dim] per layer, K then V.
+        self.k_buffers = [np.zeros(shape, self._dtype) for _ in range(kv.num_layers)]
+        self.v_buffers = [np.zeros(shape, self._dtype) for _ in range(kv.num_layers)]
+        self._views: dict[tuple[int, int], list[ort.OrtValue]] = {}
+        self._slot: dict[int, int] = {}  # seq_id -> slot
+        self._owner: list[int | None] = [None] * max_slots  # slot -> seq_id
+        self._len: dict[int, int] = {}  # seq_id -> tokens of valid KV
+        self.moves = 0  # slot compactions (KV copies), for tests and stats
+
+    # -- slots ----------------------------------------------------------------
+
+    @property
+    def active(self) -> int:
+        return len(self._slot)
+
+    def slot_of(self, seq_id: int) -> int | None:
+        return self._slot.get(seq_id)
+
+    def _ensure_slot(self, seq_id: int) -> int:
+        slot = self._slot.get(seq_id)
+        if slot is not None:
+            return slot
+        slot = len(self._slot)  # active slots are 0..n-1
+        if slot >= self.max_slots:
+            raise RuntimeError(f"all {self.max_slots} KV slots are in use")
+        self._slot[seq_id] = slot
+        self._owner[slot] = seq_id
+        self._len[seq_id] = 0
+        return slot
+
+    def _ortvalues(self, lo: int, hi: int) -> list[ort.OrtValue]:
+        """OrtValues over buffer rows ``[lo, hi)``, K then V per layer (cached)."""
+        views = self._views.get((lo, hi))
+        if views is None:
+            views = []
+            for k, v in zip(self.k_buffers, self.v_buffers, strict=True):
+                views.append(ort.OrtValue.ortvalue_from_numpy(k[lo:hi]))
+                views.append(ort.OrtValue.ortvalue_from_numpy(v[lo:hi]))
+            self._views[(lo, hi)] = views
+        return views
+
+    # -- KV bookkeeping -------------------------------------------------------
+
+    def kv_len(self, seq_id: int) -> int:
+        return self._len.get(seq_id, 0)
+
+    def read_kv(self, seq_id: int, start: int, end: int) -> KvLayers:
+        slot = self._slot[seq_id]
+        return [
+            (k[slot, :, start:end].copy(), v[slot, :, start:end].copy())
+            for k, v in zip(self.k_buffers, self.v_buffers, strict=True)
+        ]
+
+    def write_kv(self, seq_id: int, layers: KvLayers) -> None:
+        if self.kv_len(seq_id):
+            raise ValueError(f"sequence {seq_id} already holds KV")
+        n = int(layers[0][0].shape[1])
+        if n > self.max_len:
+            raise ValueError(f"{n} tokens of KV exceed the buffer length {self.max_len}")
+        slot = self._ensure_slot(seq_id)
+        for (k_in, v_in), k, v in zip(layers, self.k_buffers, self.v_buffers, strict=True):
+            k[slot, :, :n] = k_in
+            v[slot, :, :n] = v_in
+        self._len[seq_id] = n
+
+    def release(self, seq_id: int) -> None:
+        slot = self._slot.pop(seq_id, None)
+        if slot is None:
+            return
+        self._len.pop(seq_id, None)
+        self._owner[slot] = None
+        last = len(self._slot)  # the highest active slot after the pop
+        if slot == last:
+            return
+        # Keep active slots contiguous: move the last one into the hole.
+        mover = self._owner[last]
+        assert mover is not None
+        n = self._len[mover]
+        for k, v in zip(self.k_buffers, self.v_buffers, strict=True):
+            k[slot, :, :n] = k[last, :, :n]
+            v[slot, :, :n] = v[last, :, :n]
+        self._slot[mover] = slot
+        self._owner[slot] = mover
+        self._owner[last] = None
+        self.moves += 1
+
+    # -- compute --------------------------------------------------------------
+
+    def run(self, items: Sequence[StepItem]) -> np.ndarray:
+        for item in items:
+            held = self.kv_len(item.seq_id)
+            if held != item.start:
+                raise ValueError(
+                    f"sequence {item.seq_id}: step starts at {item.start} but {held} tokens of KV"
+                )
+            if item.start + len(item.token_ids) > self.max_len:
+                raise ValueError(
+                    f"sequence {item.seq_id}: {item.start + len(item.token_ids)} tokens exceed "
+                    f"the KV buffer length {self.max_len}"
+                )
+            self._ensure_slot(item.seq_id)
+        logits = np.empty((len(items), self.spec.vocab_size), np.float32)
+        decodes: dict[int, int] = {}  # slot -> item index
+        # Prefill chunks first, one sequence at a time on its own slot row.
+        for i, item in enumerate(items):
+            if len(item.token_ids) == 1:
+                decodes[self._slot[item.seq_id]] = i
+                continue
+            slot = self._slot[item.seq_id]
+            ids = np.asarray([item.token_ids], np.int64)
+            logits[i] = self._run(slot, slot + 1, ids, [item.start])[0]
+            self._len[item.seq_id] = item.start + len(item.token_ids)
+        if decodes:
+            rows = max(decodes) + 1
+            ids = np.zeros((rows, 1), np.int64)  # dummy rows decode token 0, dropped below
+            lens = []
+            for slot in range(rows):
+                owner = self._owner[slot]
+                lens.append(self._len[owner] if owner is not None else 0)
+                if slot in decodes:
+                    ids[slot, 0] = items[decodes[slot]].token_ids[0]
+            out = self._run(0, rows, ids, lens)
+            for slot, i in decodes.items():
+                logits[i] = out[slot]
+                self._len[items[i].seq_id] += 1
+        return logits
+
+    def _run(self, lo: int, hi: int, input_ids: np.ndarray, lens: list[int]) -> np.ndarray:
+        """One ORT call on buffer rows ``[lo, hi)``; returns last-position logits."""
+        spec = self.spec
+        batch, n_new = input_ids.shape
+        total = max(lens) + n_new
+        # Right-padded: row b holds lens[b] + n_new real positions.
+        mask = np.zeros((batch, total), np.int64)
+        for b, n in enumerate(lens):
+            mask[b, : n + n_new] = 1
+        binding = self.session.io_binding()
+        binding.bind_cpu_input("input_ids", input_ids)
+        if spec.has_attention_mask:
+            binding.bind_cpu_input("attention_mask", mask)
+        if spec.has_position_ids:
+            positions = np.asarray([np.arange(n, n + n_new) for n in lens], np.int64)
+            binding.bind_cpu_input("position_ids", positions)
+        binding.bind_output("logits", "cpu")  # first: get_outputs() follows binding order
+        views = self._ortvalues(lo, hi)
+        for layer, ((pk, pv), (ok, ov)) in enumerate(
+            zip(spec.past_names, spec.present_names, strict=True)
+        ):
+            binding.bind_ortvalue_input(pk, views[2 * layer])
+            binding.bind_ortvalue_input(pv, views[2 * layer + 1])
+            binding.bind_ortvalue_output(ok, views[2 * layer])
+            binding.bind_ortvalue_output(ov, views[2 * layer + 1])
+        self.session.run_with_iobinding(binding)
+        logits = binding.get_outputs()[0].numpy()  # [batch, seq or 1, vocab]
+        return np.asarray(logits[:, -1, :], np.float32)

@@ -1,0 +1,97 @@
+"""The shared-buffer runner: in-place KV, slot compaction, sessions and prefix reuse on GQA."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from genai_service.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig
+from genai_service.engine.engine import LLMEngine
+from genai_service.engine.model_dir import load_model_spec
+from genai_service.engine.model_runner import StepItem
+from genai_service.engine.request import GenerationRequest, StoppingCriteria
+from genai_service.engine.shared_buffer_runner import SharedBufferRunner
+from tests.tiny_model import encode_words, reference_greedy, reference_logits
+
+
+def greedy(rid: str, ids: list[int], n: int, **kw) -> GenerationRequest:
+    return GenerationRequest(
+        rid, tuple(ids), stopping=StoppingCriteria(max_new_tokens=n, ignore_eos=True), **kw
+    )
+
+
+def test_kv_buffers_are_allocated_once_and_written_in_place(tiny_models: dict[str, Path]) -> None:
+    model_dir = tiny_models["gqa"]
+    runner = SharedBufferRunner(load_model_spec(model_dir), RunnerConfig(), max_slots=2, max_len=64)
+    pointers = [b.ctypes.data for b in runner.k_buffers + runner.v_buffers]
+    ids = encode_words("the cat sat on the mat")
+    logits = runner.run([StepItem(7, ids, 0)])
+    np.testing.assert_allclose(logits[0], reference_logits(model_dir, ids), atol=1e-4)
+    tokens = list(ids)
+    for _ in range(5):
+        tok = int(np.argmax(logits[0]))
+        logits = runner.run([StepItem(7, [tok], len(tokens))])
+        tokens.append(tok)
+        np.testing.assert_allclose(logits[0], reference_logits(model_dir, tokens), atol=1e-4)
+        assert [b.ctypes.data for b in runner.k_buffers + runner.v_buffers] == pointers
+    # the KV of every position was written into the buffers themselves
+    slot = runner.slot_of(7)
+    assert slot == 0
+    n = len(tokens)
+    assert np.abs(runner.k_buffers[0][slot, :, n - 1]).sum() > 0
+    assert np.abs(runner.k_buffers[0][slot, :, n:]).sum() == 0
+    assert np.abs(runner.k_buffers[0][1]).sum() == 0  # the other slot is untouched
+
+
+def test_release_compacts_slots_and_keeps_kv(tiny_models: dict[str, Path]) -> None:
+    runner = SharedBufferRunner(
+        load_model_spec(tiny_models["gqa"]), RunnerConfig(), max_slots=3, max_len=32
+    )
+    for seq, text in ((1, "the cat"), (2, "the dog sat"), (3, "a bird saw it")):
+        runner.run([StepItem(seq, encode_words(text), 0)])
+    kv3 = runner.read_kv(3, 0, 4)
+    runner.release(1)
+    assert runner.slot_of(3) == 0 and runner.slot_of(2) == 1 and runner.moves == 1
+    for (k, v), (k2, v2) in zip(kv3, runner.read_kv(3, 0, 4), strict=True):
+        np.testing.assert_array_equal(k, k2)
+        np.testing.assert_array_equal(v, v2)
+
+
+def engine(model_dir: Path, **cache) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model_dir=str(model_dir),
+            runner=RunnerConfig(runner="shared_buffer"),
+            scheduler=SchedulerConfig(max_num_seqs=4),
+            cache=CacheConfig(chunk_size=4, **cache),
+        )
+    )
+
+
+def test_sessions_on_the_shared_buffer_runner(tiny_models: dict[str, Path]) -> None:
+    model_dir = tiny_models["gqa"]
+    eng = engine(model_dir, prefix_cache_bytes=0)
+    sid = eng.create_session().session_id
+    other = eng.create_session().session_id
+    t1 = encode_words("hello , who are you ?")
+    r1 = eng.generate(dataclasses.replace(greedy("t1", t1, 6), session_id=sid))
+    # another session's turn in between takes the slot; ours is parked and restored
+    eng.generate(dataclasses.replace(greedy("o1", encode_words("the dog"), 9), session_id=other))
+    t2 = encode_words("what is the time ?")
+    r2 = eng.generate(dataclasses.replace(greedy("t2", t2, 6), session_id=sid))
+    history = t1 + list(r1.token_ids)
+    assert r2.usage.cached_tokens == len(history)
+    assert list(r2.token_ids) == reference_greedy(model_dir, history + t2, 6)
+
+
+def test_prefix_reuse_on_the_shared_buffer_runner(tiny_models: dict[str, Path]) -> None:
+    model_dir = tiny_models["gqa"]
+    prefix = encode_words("the cat sat on the mat and the dog sat in the box")
+    b = prefix + encode_words("with a hat ?")
+    eng = engine(model_dir)
+    eng.generate(greedy("a", prefix + encode_words(". who is it ?"), 8))
+    r = eng.generate(greedy("b", b, 8))
+    assert r.usage.cached_tokens == 12
+    assert list(r.token_ids) == reference_greedy(model_dir, b, 8)
