@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections.abc import Sequence
 
@@ -12,6 +13,7 @@ import structlog
 from .config import (
     CacheConfig,
     EngineConfig,
+    KvStoreConfig,
     LimitsConfig,
     RunnerConfig,
     SchedulerConfig,
@@ -57,6 +59,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--session-ttl", type=float, default=900.0, metavar="S")
     g.add_argument("--default-max-new-tokens", type=int, default=256)
     g.add_argument("--max-new-tokens-limit", type=int, default=4096)
+    k = p.add_argument_group("kvstore (data plane)")
+    k.add_argument(
+        "--kvstore",
+        default=None,
+        metavar="HOST:PORT",
+        help="share KV chunks and session records through this genai-kvstore",
+    )
+    k.add_argument(
+        "--kvstore-timeout",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="a kvstore fetch slower than this is a cache miss",
+    )
     return p
 
 
@@ -83,6 +99,15 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             max_new_tokens_limit=args.max_new_tokens_limit,
         ),
         max_context_length=args.max_context_length,
+        kvstore=(
+            KvStoreConfig(
+                args.kvstore,
+                timeout_s=args.kvstore_timeout,
+                auth_token=os.environ.get("GENAI_KVSTORE_TOKEN") or None,
+            )
+            if args.kvstore
+            else None
+        ),
     )
     return ServerConfig(
         engine=engine,

@@ -99,6 +99,23 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True)
+class KvStoreConfig:
+    """The kvstore sidecar the engine shares KV chunks and session records through."""
+
+    target: str  # HOST:PORT of genai-kvstore
+    timeout_s: float = 2.0  # a lookup+fetch slower than this is a miss
+    auth_token: str | None = None
+    record_wait_s: float = 1.0  # longest a turn's final answer waits for its session record
+
+    def __post_init__(self) -> None:
+        if ":" not in self.target:
+            raise ValueError(f"kvstore target must be HOST:PORT, got {self.target!r}")
+        _positive("kvstore timeout_s", self.timeout_s)
+        if self.record_wait_s < 0:
+            raise ValueError(f"record_wait_s must be >= 0, got {self.record_wait_s}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs; composed of the parts above."""
 
@@ -108,6 +125,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     sessions: SessionConfig = field(default_factory=SessionConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    kvstore: KvStoreConfig | None = None  # None: in-process prefix reuse only
     max_context_length: int | None = None  # cap below the model's own context length
 
     def __post_init__(self) -> None:

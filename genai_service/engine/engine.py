@@ -9,6 +9,8 @@ moved.
 
 from __future__ import annotations
 
+import json
+import re
 import secrets
 import time
 from collections import Counter
@@ -22,9 +24,10 @@ from ..config import EngineConfig
 from ..errors import GenAIError, Internal, InvalidArgument
 from . import sampler as sampling
 from .detokenizer import IncrementalDetokenizer
+from .kv_connector import KvChunkStore
 from .model_dir import ModelSpec, load_model_spec
 from .model_runner import ModelRunner, StepItem, create_runner
-from .prefix_cache import PrefixIndex, chunk_keys, make_namespace
+from .prefix_cache import KvLayers, PrefixIndex, chunk_keys, make_namespace
 from .request import (
     FinishReason,
     GenerationRequest,
@@ -72,7 +75,9 @@ class LLMEngine:
         spec: ModelSpec | None = None,
         tokenizer: Tokenizer | None = None,
         runner: ModelRunner | None = None,
+        chunk_store: KvChunkStore | None = None,
     ) -> None:
+        """``chunk_store`` overrides the kvstore connector made from ``config.kvstore``."""
         self.config = config
         self.spec = spec or load_model_spec(config.model_dir)
         self.tokenizer = tokenizer or Tokenizer.from_dir(self.spec.path, self.spec)
@@ -85,13 +90,24 @@ class LLMEngine:
         )
         self.vocab_size = self.spec.vocab_size
         self.scheduler = Scheduler(config.scheduler, admit=self._admit)
+        kv = self.spec.kv
+        self.remote = chunk_store
+        if self.remote is None and config.kvstore is not None:
+            from .kv_connector import GrpcKvChunkStore
+
+            self.remote = GrpcKvChunkStore(
+                config.kvstore.target,
+                dtype=kv.dtype,
+                timeout_s=config.kvstore.timeout_s,
+                auth_token=config.kvstore.auth_token,
+            )
         self.sessions = SessionTable(
             config.sessions.max_sessions,
             config.sessions.idle_ttl_s,
             on_evict=self._drop_session_kv,
+            restore=self._restore_session if self.remote is not None else None,
         )
         self.chunk_size = config.cache.chunk_size
-        kv = self.spec.kv
         self.namespace = make_namespace(
             self.spec.fingerprint,
             kv.dtype,
@@ -101,6 +117,10 @@ class LLMEngine:
         self.prefix_index = PrefixIndex(config.cache.prefix_cache_bytes)
         self._requests: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []
+        # Final outputs of session turns waiting for their record to land in
+        # the kvstore: (record key, give-up time, output).
+        self._held: list[tuple[bytes, float, RequestOutput]] = []
+        self.last_step_idle = False  # the last step computed nothing (waiting on I/O)
         self.counters: Counter[str] = Counter()
 
     # -- public API ------------------------------------------------------------
@@ -142,6 +162,7 @@ class LLMEngine:
         try:
             seq = self._make_sequence(request, history, session)
             self.scheduler.add(seq)
+            self._start_prefetch(seq)
         except GenAIError:
             if session is not None:
                 self.sessions.end_turn(session)
@@ -159,12 +180,20 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self._pending) or self.scheduler.has_work()
+        return bool(self._pending or self._held) or self.scheduler.has_work()
+
+    def close(self) -> None:
+        """Release background resources (the kvstore connector)."""
+        if self.remote is not None:
+            self.remote.flush(self.config.kvstore.timeout_s if self.config.kvstore else 1.0)
+            self.remote.close()
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        outputs.extend(self._release_held())
         self._expire()
         batch = self.scheduler.schedule()
+        self.last_step_idle = not batch
         if not batch:
             return outputs
         items = [
@@ -198,6 +227,8 @@ class LLMEngine:
             for out in self.step():
                 if out.request_id in outputs:
                     outputs[out.request_id].append(out)
+            if self.last_step_idle:
+                time.sleep(0.001)  # waiting on the kvstore, not on compute
         return {rid: collect(outs) for rid, outs in outputs.items()}
 
     def generate(self, request: GenerationRequest) -> GenerationResult:
@@ -211,18 +242,24 @@ class LLMEngine:
         owner: str = "",
         metadata: dict[str, str] | None = None,
     ) -> SessionInfo:
-        return SessionTable.info(self.sessions.create(idle_ttl_s, owner, metadata))
+        session = self.sessions.create(idle_ttl_s, owner, metadata)
+        self._save_session(session)
+        return SessionTable.info(session)
 
     def get_session(self, session_id: str) -> SessionInfo:
         return SessionTable.info(self.sessions.get(session_id))
 
     def reset_session(self, session_id: str) -> SessionInfo:
-        return SessionTable.info(self.sessions.reset(session_id))
+        session = self.sessions.reset(session_id)
+        self._save_session(session)
+        return SessionTable.info(session)
 
     def close_session(self, session_id: str) -> SessionInfo:
         session = self.sessions.get(session_id)
         if session.running_request_id is not None:
             self.abort(session.running_request_id)  # closing cancels a running turn
+        if self.remote is not None:
+            self.remote.delete_record(_record_key(session_id))
         return SessionTable.info(self.sessions.close(session_id))
 
     def list_sessions(self) -> list[SessionInfo]:
@@ -271,6 +308,11 @@ class LLMEngine:
                 seq.num_computed = seq.num_cached = session.kv_len
                 session.kv, session.kv_len = None, 0
                 self.counters["session_cached_tokens"] += seq.num_cached
+                return True
+        if seq.prefetch is not None:
+            if not seq.prefetch.done():
+                return False  # its chunks are on their way from the kvstore
+            if self._attach_prefetched(seq):
                 return True
         if self.prefix_index.capacity_bytes and seq.num_computed == 0:
             # Always leave at least one prompt token to compute: its logits are needed.
@@ -393,6 +435,13 @@ class LLMEngine:
             else:
                 text += seq.stop_matcher.flush()
         final = self._finish(seq, finish, emit=False)
+        if seq.session is not None and self.remote is not None and self.config.kvstore:
+            # Answer only once the session record is visible to other replicas,
+            # so the next turn may go to any of them.
+            key = _record_key(seq.session.session_id)
+            give_up = time.monotonic() + self.config.kvstore.record_wait_s
+            self._held.append((key, give_up, final))
+            return RequestOutput(seq.request_id, (token,), text, (lp,) if lp else ())
         return RequestOutput(
             seq.request_id,
             (token,),
@@ -421,6 +470,7 @@ class LLMEngine:
             else:
                 session.history = list(seq.token_ids)
                 session.turns += 1
+                self._save_session(session)
                 # The last sampled token has no KV yet: compute it next step so
                 # the next turn reuses the whole history.
                 commit = seq.num_pending == 1 and seq.status is SeqStatus.RUNNING
@@ -472,8 +522,9 @@ class LLMEngine:
         session.kv, session.kv_len = None, 0
 
     def _store_prefix(self, seq: Sequence) -> None:
-        """Put the sequence's complete, not yet stored chunks into the prefix index."""
-        if not self.prefix_index.capacity_bytes:
+        """Put the sequence's complete, not yet stored chunks into the prefix index
+        and push them to the kvstore."""
+        if not self.prefix_index.capacity_bytes and self.remote is None:
             return
         n_chunks = self.runner.kv_len(seq.seq_id) // self.chunk_size
         if n_chunks <= seq.stored_chunks:
@@ -482,11 +533,117 @@ class LLMEngine:
             self.namespace, seq.token_ids[: n_chunks * self.chunk_size], self.chunk_size
         )
         for i in range(seq.stored_chunks, n_chunks):
-            if keys[i] not in self.prefix_index:
-                start = i * self.chunk_size
-                layers = self.runner.read_kv(seq.seq_id, start, start + self.chunk_size)
-                self.prefix_index.put(keys[i], layers)
+            if keys[i] in self.prefix_index:
+                continue  # stored (and pushed) when it was first computed
+            start = i * self.chunk_size
+            layers = self.runner.read_kv(seq.seq_id, start, start + self.chunk_size)
+            if self.prefix_index.capacity_bytes:
+                self.prefix_index.put(keys[i], layers)  # copies
+            if self.remote is not None:
+                self.remote.push(keys[i], layers)  # takes ownership
         seq.stored_chunks = n_chunks
+
+    def _start_prefetch(self, seq: Sequence) -> None:
+        """Ask the kvstore for the prompt's chunks the local index lacks (background)."""
+        if self.remote is None:
+            return
+        session = seq.session
+        if session is not None and (session.kv is not None or session.committing):
+            return  # its KV is resident
+        keys = chunk_keys(self.namespace, seq.token_ids[: seq.prompt_len - 1], self.chunk_size)
+        local = self._local_run(keys)
+        if local < len(keys):
+            seq.prefix_keys, seq.prefetch_from = keys, local
+            seq.prefetch = self.remote.prefetch(keys[local:])
+
+    def _local_run(self, keys: list[bytes]) -> int:
+        """Leading ``keys`` present in the local index (without counting a lookup)."""
+        n = 0
+        while n < len(keys) and keys[n] in self.prefix_index:
+            n += 1
+        return n
+
+    def _attach_prefetched(self, seq: Sequence) -> bool:
+        """Write local + fetched chunks as the sequence's KV; False if nothing usable."""
+        assert seq.prefetch is not None
+        fetched = seq.prefetch.result()
+        seq.prefetch = None
+        keys, start = seq.prefix_keys, seq.prefetch_from
+        if not fetched or self._local_run(keys[:start]) < start:
+            return False  # nothing came, or local chunks were evicted meanwhile
+        local = self.prefix_index.match(keys[:start]) if start else 0
+        chunks = self.prefix_index.gather(keys[:local]) if local else None
+        self.runner.write_kv(seq.seq_id, _join_chunks(chunks, fetched))
+        n = local + len(fetched)
+        seq.num_computed = seq.num_cached = n * self.chunk_size
+        seq.stored_chunks = n
+        if self.prefix_index.capacity_bytes:
+            for i, chunk in enumerate(fetched):
+                self.prefix_index.put(keys[local + i], chunk)
+        self.counters["prefix_cached_tokens"] += local * self.chunk_size
+        self.counters["kvstore_cached_tokens"] += len(fetched) * self.chunk_size
+        return True
+
+    def _save_session(self, session: Session) -> None:
+        if self.remote is None:
+            return
+        record = {
+            "v": 1,
+            "session_id": session.session_id,
+            "owner": session.owner,
+            "created_at": session.created_at,
+            "last_used_at": session.last_used_at,
+            "idle_ttl_s": session.idle_ttl_s,
+            "turns": session.turns,
+            "metadata": session.metadata,
+            "history": session.history,
+        }
+        self.remote.put_record(_record_key(session.session_id), json.dumps(record).encode())
+
+    def _restore_session(self, session_id: str) -> Session | None:
+        """A session not in memory (evicted, or created on another replica)."""
+        if self.remote is None or not _SESSION_ID.fullmatch(session_id):
+            return None
+        timeout = self.config.kvstore.timeout_s if self.config.kvstore else 1.0
+        data = self.remote.get_record(_record_key(session_id), timeout)
+        if data is None:
+            return None
+        try:
+            rec = json.loads(data)
+            history = [int(t) for t in rec["history"]]
+            if rec["session_id"] != session_id or any(
+                not 0 <= t < self.vocab_size for t in history
+            ):
+                raise ValueError("record does not match")
+            session = Session(
+                session_id=session_id,
+                created_at=float(rec["created_at"]),
+                last_used_at=time.time(),
+                idle_ttl_s=float(rec["idle_ttl_s"]),
+                owner=str(rec.get("owner", "")),
+                metadata={str(k): str(v) for k, v in rec.get("metadata", {}).items()},
+                history=history,
+                turns=int(rec.get("turns", 0)),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("session_record_unreadable", error=str(exc))
+            return None
+        self.counters["sessions_restored"] += 1
+        return session
+
+    def _release_held(self) -> list[RequestOutput]:
+        if not self._held:
+            return []
+        assert self.remote is not None
+        now = time.monotonic()
+        ready, waiting = [], []
+        for key, give_up, out in self._held:
+            if not self.remote.record_pending(key) or now >= give_up:
+                ready.append(out)
+            else:
+                waiting.append((key, give_up, out))
+        self._held = waiting
+        return ready
 
     def _fail(self, seq: Sequence, error: GenAIError) -> None:
         if seq.status is SeqStatus.COMMITTING:
@@ -511,3 +668,22 @@ class LLMEngine:
     def _drain_pending(self) -> list[RequestOutput]:
         out, self._pending = self._pending, []
         return out
+
+
+_SESSION_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def _record_key(session_id: str) -> bytes:
+    return b"session:" + session_id.encode()
+
+
+def _join_chunks(local: KvLayers | None, fetched: list[KvLayers]) -> KvLayers:
+    """Local chunks (already joined) then fetched chunks, along the token axis."""
+    parts = ([local] if local else []) + fetched
+    return [
+        (
+            np.concatenate([p[layer][0] for p in parts], axis=1),
+            np.concatenate([p[layer][1] for p in parts], axis=1),
+        )
+        for layer in range(len(parts[0]))
+    ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ from .request import FinishReason, GenerationRequest, TokenLogprob
 
 if TYPE_CHECKING:
     from .detokenizer import IncrementalDetokenizer
+    from .prefix_cache import KvLayers
     from .sessions import Session
     from .stops import StopStringMatcher
 
@@ -59,6 +61,10 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_sequence: str = ""
     stored_chunks: int = 0  # leading chunks already in the prefix index
+    # kvstore prefetch of the prompt's chunk chain, started when the request arrives
+    prefix_keys: list[bytes] = field(default_factory=list)
+    prefetch: Future[list[KvLayers]] | None = None
+    prefetch_from: int = 0  # index in prefix_keys of the first prefetched key
 
     @property
     def request_id(self) -> str:

@@ -71,12 +71,20 @@ class SessionTable:
         idle_ttl_s: float,
         clock: Callable[[], float] = time.time,  # wall clock: timestamps are shown to users
         on_evict: Callable[[Session], None] | None = None,
+        restore: Callable[[str], Session | None] | None = None,
     ) -> None:
+        """With ``restore`` (sessions persisted in the kvstore), an idle session
+        past its TTL, or the least recently used idle one when the table is
+        full, is only evicted from memory; ``restore`` brings it back on its
+        next use."""
         self.max_sessions = max_sessions
         self.idle_ttl_s = idle_ttl_s
         self._clock = clock
         self._on_evict = on_evict
+        self._restore = restore
         self._sessions: dict[str, Session] = {}
+        self.evicted = 0
+        self.restored = 0
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -91,6 +99,7 @@ class SessionTable:
         metadata: dict[str, str] | None = None,
     ) -> Session:
         self.expire_idle()
+        self._make_room()
         if len(self._sessions) >= self.max_sessions:
             raise ResourceExhausted(
                 f"sessions: {len(self._sessions)} open, the limit is {self.max_sessions}; "
@@ -108,11 +117,33 @@ class SessionTable:
 
     def get(self, session_id: str) -> Session:
         session = self._sessions.get(session_id)
-        if session is None or self._expired(session, self._clock()):
+        if session is not None and self._expired(session, self._clock()):
+            self._drop(session)
+            session = None
+        if session is None and self._restore is not None:
+            session = self._restore(session_id)
             if session is not None:
-                self._drop(session)
+                self._make_room()
+                if len(self._sessions) >= self.max_sessions:
+                    raise ResourceExhausted(
+                        f"sessions: {len(self._sessions)} busy in memory, the limit is "
+                        f"{self.max_sessions}; retry later"
+                    )
+                self._sessions[session.session_id] = session
+                self.restored += 1
+        if session is None:
             raise _not_found(session_id)
         return session
+
+    def _make_room(self) -> None:
+        """Evict the least recently used idle session when full (only when evicted
+        sessions can be restored)."""
+        if self._restore is None or len(self._sessions) < self.max_sessions:
+            return
+        idle = [s for s in self._sessions.values() if not s.busy and not s.committing]
+        if idle:
+            self._drop(min(idle, key=lambda s: s.last_used_at))
+            self.evicted += 1
 
     def begin_turn(self, session_id: str, request_id: str) -> Session:
         session = self.get(session_id)

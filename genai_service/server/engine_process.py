@@ -46,6 +46,7 @@ CALLABLE = frozenset(
     }
 )
 IDLE_POLL_S = 0.05
+WAIT_POLL_S = 0.002
 
 
 def _engine_main(config: EngineConfig, conn: Connection, log_format: str) -> None:
@@ -83,6 +84,11 @@ def _engine_main(config: EngineConfig, conn: Connection, log_format: str) -> Non
             "sessions": len(engine.sessions),
             "prefix_cache_bytes": engine.prefix_index.bytes_used,
             "prefix_cache_entries": len(engine.prefix_index),
+            "sessions_evicted": engine.sessions.evicted,
+            **{
+                f"kvstore_{k}": v
+                for k, v in (engine.remote.stats() if engine.remote else {}).items()
+            },
         }
 
     methods: dict[str, Callable[..., Any]] = {
@@ -96,8 +102,12 @@ def _engine_main(config: EngineConfig, conn: Connection, log_format: str) -> Non
     }
 
     while True:
-        # Block only when there is nothing to step.
-        timeout = 0.0 if engine.has_unfinished() else IDLE_POLL_S
+        # Block when there is nothing to step; nap briefly when the only work is
+        # waiting on I/O (kvstore fetches, session records).
+        if not engine.has_unfinished():
+            timeout = IDLE_POLL_S
+        else:
+            timeout = WAIT_POLL_S if engine.last_step_idle else 0.0
         while conn.poll(timeout):
             timeout = 0.0
             msg = conn.recv()
@@ -123,6 +133,7 @@ def _engine_main(config: EngineConfig, conn: Connection, log_format: str) -> Non
                     plog.exception("call_failed", method=method)
                     conn.send(("result", call_id, False, Internal(f"{method}: {exc}")))
             elif kind == "stop":
+                engine.close()
                 return
         if engine.has_unfinished():
             outputs = engine.step()

@@ -1,0 +1,684 @@
+"""The engine's connector to the kvstore data plane (DESIGN.md §1, §4).
+
+The engine loop is synchronous and single-threaded; it must never wait on the
+network. ``GrpcKvChunkStore`` therefore runs all of its RPCs on one background
+thread with its own asyncio loop (``AsyncKvStoreClient``), packs and verifies
+payloads on a small thread pool (numpy copies and blake2b release the GIL), and
+hands the engine ``concurrent.futures.Future`` objects to poll. Every failure
+is a miss: logged (rate-limited), counted, never raised.
+
+``MemoryKvChunkStore`` keeps the same contract in a dict, for engine tests.
+
+Session records (small mutable blobs under ``session:<id>``) share the store.
+The kvstore's blobs are immutable (a Put of a present key is a no-op), so a
+record is replaced by Delete then Put, serialised per key on one worker; see
+``KvChunkStore.put_record``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import numpy as np
+import structlog
+
+from kvstore.blob import BlobError, ChecksumError, KvHeader, pack_kv, unpack_kv
+from kvstore.client import AsyncKvStoreClient
+
+from .prefix_cache import KvLayers
+
+log = structlog.get_logger(__name__)
+
+STAT_NAMES = (
+    "hits_chunks",  # chunks handed to the engine by prefetch
+    "misses",  # prefetches that delivered fewer chunks than keys asked for
+    "fetched_bytes",  # blob bytes received by prefetch (intact or not)
+    "pushed_chunks",  # chunks newly stored by push
+    "push_skipped",  # pushes not sent: pushed before, in flight, or already in the store
+    "push_dropped",  # pushes refused because max_pending_pushes were pending
+    "records_dropped",  # record writes refused because max_pending_pushes keys were pending
+    "errors",  # RPC failures, malformed blobs, unexpected exceptions
+    "timeouts",  # operations that ran past timeout_s
+    "checksum_failures",  # blobs whose checksum did not match their bytes
+)
+_KV_DTYPES = ("float32", "float16", "bfloat16")
+_CLOSE_TIMEOUT_S = 5.0
+_WARN_INTERVAL_S = 10.0
+
+
+def _dtype_name(dtype: object) -> str:
+    """The KV payload dtype name of ``dtype`` ("float32", "float16" or "bfloat16")."""
+    name = str(dtype)
+    if name != "bfloat16":
+        with contextlib.suppress(TypeError):
+            name = np.dtype(dtype).name  # type: ignore[call-overload]
+    if name not in _KV_DTYPES:
+        raise ValueError(f"dtype must be one of {list(_KV_DTYPES)}, got {dtype!r}")
+    return name
+
+
+def _key_label(key: bytes | None) -> str | None:
+    """How a key appears in logs: chunk keys in hex; records by their kind only,
+    since a session id is a bearer secret (DESIGN.md §6)."""
+    if key is None:
+        return None
+    kind, sep, _ = key.partition(b":")
+    return kind.decode("ascii", "replace") + ":<redacted>" if sep else key.hex()
+
+
+def _resolve(future: Future[list[KvLayers]], result: list[KvLayers]) -> None:
+    """Set ``future``'s result unless it is already done (e.g. cancelled by the engine)."""
+    with contextlib.suppress(InvalidStateError):
+        future.set_result(result)
+
+
+class KvChunkStore(ABC):
+    """Seam (STYLE rule 4): where complete KV chunks live outside the process.
+
+    Contract: every failure (network error, timeout, checksum mismatch,
+    malformed blob) is a MISS, logged as a warning and counted in ``stats()``,
+    never an exception to the caller. Only ``get_record`` blocks, and only for
+    its ``timeout_s``. Layers handed out are read-only arrays, each
+    ``[kv_heads, chunk_tokens, head_dim]``.
+    """
+
+    @abstractmethod
+    def prefetch(self, keys: Sequence[bytes]) -> Future[list[KvLayers]]:
+        """Fetch the leading run of ``keys`` (a chunk-key chain) that the store holds.
+
+        Returns at once; the future resolves (never raises) with one ``KvLayers``
+        per leading key that arrived intact, stopping at the first missing or
+        failed chunk (a chain must be contiguous), within ``timeout_s`` as a
+        whole; ``[]`` when nothing usable arrived.
+        """
+
+    @abstractmethod
+    def push(self, key: bytes, layers: KvLayers) -> None:
+        """Store one complete chunk in the background; returns at once.
+
+        Takes ownership of ``layers``: the caller must not modify the arrays
+        afterwards (``ModelRunner.read_kv`` returns copies: pass them as they
+        are). Skipped when this process pushed ``key`` recently or the store
+        already holds it; dropped (and counted) when too many pushes are pending.
+        """
+
+    @abstractmethod
+    def get_record(self, key: bytes, timeout_s: float) -> bytes | None:
+        """The record under ``key``; blocks for at most ``timeout_s``.
+
+        None on a miss or any failure. Sees this process's own pending
+        ``put_record``/``delete_record`` calls (read-your-writes).
+        """
+
+    @abstractmethod
+    def put_record(self, key: bytes, data: bytes) -> None:
+        """Create or replace the record under ``key`` in the background.
+
+        Writes to one key land in call order and the last one wins; pending
+        writes to the same key are coalesced. The kvstore never overwrites a
+        blob, so a replacement is Delete then Put: a reader on another replica
+        can miss the record for that one round trip.
+        """
+
+    @abstractmethod
+    def delete_record(self, key: bytes) -> None:
+        """Remove the record under ``key`` in the background (ordered with ``put_record``)."""
+
+    @abstractmethod
+    def record_pending(self, key: bytes) -> bool:
+        """True while a ``put_record``/``delete_record`` of ``key`` has not landed
+        (the engine holds a session turn's final answer until its record is
+        visible to other replicas)."""
+
+    @abstractmethod
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every push and record write issued so far has finished.
+
+        True when they all have, False when ``timeout_s`` ran out first.
+        """
+
+    @abstractmethod
+    def stats(self) -> dict[str, int]:
+        """Counters named in ``STAT_NAMES`` (since start) plus gauges of pending work."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop background work (pending writes are abandoned: ``flush`` first to
+        keep them); unresolved prefetches resolve ``[]``. Idempotent; afterwards
+        every call is a miss or a no-op."""
+
+
+class _CountingStore(KvChunkStore):
+    """Counters, rate-limited warnings and chunk checks shared by the implementations."""
+
+    def __init__(self, dtype: object, timeout_s: float) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.dtype = _dtype_name(dtype)
+        self.timeout_s = timeout_s
+        self._stats_lock = threading.Lock()
+        self._counters = dict.fromkeys(STAT_NAMES, 0)
+        self._warned: dict[str, tuple[float, int]] = {}
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self._counters[name] += n
+
+    def _warn(self, event: str, **fields: object) -> None:
+        """Log ``event`` at most once per interval (a down kvstore fails every request)."""
+        now = time.monotonic()
+        with self._stats_lock:
+            last, suppressed = self._warned.get(event, (-math.inf, 0))
+            if now - last < _WARN_INTERVAL_S:
+                self._warned[event] = (last, suppressed + 1)
+                return
+            self._warned[event] = (now, 0)
+        log.warning(event, suppressed=suppressed, **fields)
+
+    def _failed(self, op: str, exc: BaseException, key: bytes | None = None) -> None:
+        """Count and log a failed operation as a timeout, checksum failure or error."""
+        rpc = exc if isinstance(exc, grpc.RpcError) else None
+        code = rpc.code() if rpc is not None else None  # type: ignore[attr-defined]
+        if isinstance(exc, TimeoutError) or code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            kind = "timeouts"
+        elif isinstance(exc, ChecksumError) or code == grpc.StatusCode.DATA_LOSS:
+            kind = "checksum_failures"
+        else:
+            kind = "errors"
+        self._count(kind)
+        reason = rpc.details() if rpc is not None else str(exc)  # type: ignore[attr-defined]
+        self._warn(
+            f"kvstore {op} failed: treated as a miss",
+            kind=kind,
+            error=type(exc).__name__,
+            reason=reason,
+            key=_key_label(key),
+        )
+
+    def _check_chunk(
+        self, key: bytes, blob: bytes, first: KvHeader | None
+    ) -> tuple[KvHeader, KvLayers] | None:
+        """Unpack and verify one chunk of a chain; None (counted) when it is unusable."""
+        try:
+            header, layers = unpack_kv(blob)
+            if header.dtype != self.dtype:
+                raise BlobError(f"KV payload dtype is {header.dtype}, expected {self.dtype}")
+            if first is not None and (header.num_layers, header.layer_shape) != (
+                first.num_layers,
+                first.layer_shape,
+            ):
+                raise BlobError(
+                    f"KV payload is {header.num_layers} x {header.layer_shape}, the chain's "
+                    f"first chunk is {first.num_layers} x {first.layer_shape}"
+                )
+        except BlobError as exc:  # ChecksumError included
+            self._failed("chunk check", exc, key)
+            return None
+        return header, layers
+
+    def _finish_prefetch(self, wanted: int, got: int) -> None:
+        with self._stats_lock:
+            self._counters["hits_chunks"] += got
+            self._counters["misses"] += 1 if got < wanted else 0
+
+    def stats(self) -> dict[str, int]:
+        with self._stats_lock:
+            return dict(self._counters)
+
+
+class GrpcKvChunkStore(_CountingStore):
+    """``KvChunkStore`` over a kvstore server (``genai-kvstore``).
+
+    ``target`` is "host:port"; ``dtype`` the engine's KV dtype (payloads are
+    packed in it and others are refused); ``timeout_s`` bounds each prefetch
+    as a whole, each push and each record write; ``auth_token`` is the data
+    plane's bearer token; ``max_pending_pushes`` bounds queued plus in-flight
+    pushes (and, separately, keys with pending record writes); ``workers`` is
+    how many pushes run at once and the size of the pack/verify thread pool;
+    ``fetch_concurrency`` how many Gets one prefetch keeps in flight;
+    ``recent_keys`` how many pushed or fetched keys are remembered as present.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        dtype: str,
+        timeout_s: float = 2.0,
+        auth_token: str | None = None,
+        max_pending_pushes: int = 64,
+        workers: int = 2,
+        fetch_concurrency: int = 8,
+        recent_keys: int = 65536,
+    ) -> None:
+        super().__init__(dtype, timeout_s)
+        for name, value in (
+            ("max_pending_pushes", max_pending_pushes),
+            ("workers", workers),
+            ("fetch_concurrency", fetch_concurrency),
+            ("recent_keys", recent_keys),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.target = target
+        self._max_pending = max_pending_pushes
+        self._workers = workers
+        self._fetch_concurrency = fetch_concurrency
+        self._recent_limit = recent_keys
+
+        # Everything below is guarded by _lock; _idle wakes flush().
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._closed = False
+        self._recent: OrderedDict[bytes, None] = OrderedDict()  # keys known to be in the store
+        self._inflight: set[bytes] = set()  # keys queued or being pushed
+        self._pending_pushes = 0
+        self._records: dict[bytes, tuple[int, bytes | None]] = {}  # newest pending write per key
+        self._record_seq = 0
+        self._prefetches: set[Future[list[KvLayers]]] = set()
+
+        self._cpu = ThreadPoolExecutor(workers, thread_name_prefix="kv-connector-cpu")
+        self._loop = asyncio.new_event_loop()
+        self._tasks: set[asyncio.Task[Any]] = set()  # touched on the loop thread only
+        self._thread = threading.Thread(target=self._run_loop, name="kv-connector", daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._open(auth_token), self._loop).result(
+            _CLOSE_TIMEOUT_S
+        )
+        log.info("kv connector started", target=target, dtype=self.dtype, timeout_s=timeout_s)
+
+    # -- engine thread ----------------------------------------------------------
+
+    def prefetch(self, keys: Sequence[bytes]) -> Future[list[KvLayers]]:
+        future: Future[list[KvLayers]] = Future()
+        keys = list(keys)
+        with self._lock:
+            if keys and not self._closed:
+                self._prefetches.add(future)
+                self._loop.call_soon_threadsafe(self._spawn, self._prefetch, keys, future)
+                return future
+        future.set_result([])
+        return future
+
+    def push(self, key: bytes, layers: KvLayers) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            if key in self._recent or key in self._inflight:
+                self._count("push_skipped")
+                return
+            if self._pending_pushes >= self._max_pending:
+                dropped = True
+            else:
+                dropped = False
+                self._pending_pushes += 1
+                self._inflight.add(key)
+                self._loop.call_soon_threadsafe(self._push_queue.put_nowait, (key, layers))
+        if dropped:
+            self._count("push_dropped")
+            self._warn("kvstore push dropped: too many pending", pending=self._max_pending)
+
+    def get_record(self, key: bytes, timeout_s: float) -> bytes | None:
+        with self._lock:
+            if self._closed:
+                return None
+            if key in self._records:
+                return self._records[key][1]  # our own write has not landed yet
+            call = asyncio.run_coroutine_threadsafe(
+                self._record_client.get(key, timeout_s=timeout_s), self._loop
+            )
+        try:
+            return call.result(timeout_s)
+        except Exception as exc:
+            call.cancel()
+            self._failed("record get", exc, key)
+            return None
+
+    def put_record(self, key: bytes, data: bytes) -> None:
+        self._write_record(key, bytes(data))
+
+    def delete_record(self, key: bytes) -> None:
+        self._write_record(key, None)
+
+    def record_pending(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._records
+
+    def flush(self, timeout_s: float) -> bool:
+        with self._idle:
+            return self._idle.wait_for(
+                lambda: self._closed or (self._pending_pushes == 0 and not self._records),
+                timeout_s,
+            )
+
+    def stats(self) -> dict[str, int]:
+        out = super().stats()
+        with self._lock:
+            out["pending_pushes"] = self._pending_pushes
+            out["pending_records"] = len(self._records)
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._idle.notify_all()
+            stop = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
+        try:
+            stop.result(_CLOSE_TIMEOUT_S)
+        except Exception:
+            log.warning("kv connector did not shut down cleanly", exc_info=True)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(_CLOSE_TIMEOUT_S)
+        self._cpu.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            pending, self._prefetches = self._prefetches, set()
+        for future in pending:
+            _resolve(future, [])
+        log.info("kv connector closed", target=self.target, **self.stats())
+
+    def _write_record(self, key: bytes, data: bytes | None) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._record_seq += 1
+            if key in self._records:  # already queued: the worker will write the newest value
+                self._records[key] = (self._record_seq, data)
+                return
+            if len(self._records) < self._max_pending:
+                self._records[key] = (self._record_seq, data)
+                self._loop.call_soon_threadsafe(self._record_queue.put_nowait, key)
+                return
+        self._count("records_dropped")
+        self._warn("kvstore record write dropped: too many pending", key=_key_label(key))
+
+    # -- loop thread ------------------------------------------------------------
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.close()
+
+    def _spawn(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None:
+        task = self._loop.create_task(fn(*args))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _open(self, auth_token: str | None) -> None:
+        # KV payloads carry their own checksum (verified by unpack_kv): skip the
+        # client's whole-blob check. Records have none, so their client verifies.
+        self._chunk_client = AsyncKvStoreClient(
+            self.target, auth_token=auth_token, timeout_s=self.timeout_s, verify=False
+        )
+        self._record_client = AsyncKvStoreClient(
+            self.target, auth_token=auth_token, timeout_s=self.timeout_s
+        )
+        self._push_queue: asyncio.Queue[tuple[bytes, KvLayers]] = asyncio.Queue()
+        self._record_queue: asyncio.Queue[bytes] = asyncio.Queue()
+        for _ in range(self._workers):
+            self._spawn(self._push_worker)
+        self._spawn(self._record_worker)
+
+    async def _shutdown(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._chunk_client.close()
+        await self._record_client.close()
+
+    def _remember(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            for key in keys:
+                self._recent[key] = None
+                self._recent.move_to_end(key)
+            while len(self._recent) > self._recent_limit:
+                self._recent.popitem(last=False)
+
+    async def _prefetch(self, keys: list[bytes], future: Future[list[KvLayers]]) -> None:
+        out: list[KvLayers] = []  # the leading run, filled in place so a timeout keeps it
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                deadline = self._loop.time() + self.timeout_s
+                present = await self._chunk_client.lookup(keys, timeout_s=self.timeout_s)
+                if present:
+                    await self._fetch(keys[: min(present, len(keys))], deadline, out)
+        except Exception as exc:  # TimeoutError, AioRpcError, anything unexpected: a miss
+            self._failed("prefetch", exc)
+        finally:
+            self._finish_prefetch(len(keys), len(out))
+            with self._lock:
+                self._prefetches.discard(future)
+            _resolve(future, out)
+
+    async def _fetch(self, keys: list[bytes], deadline: float, out: list[KvLayers]) -> None:
+        """Get ``keys`` concurrently, check them in order, stop at the first failure."""
+        limit = asyncio.Semaphore(self._fetch_concurrency)  # FIFO: leading keys go first
+
+        async def get(key: bytes) -> bytes | None:
+            async with limit:
+                remaining = max(deadline - self._loop.time(), 0.001)
+                return await self._chunk_client.get(key, timeout_s=remaining)
+
+        tasks = [asyncio.ensure_future(get(key)) for key in keys]
+        first: KvHeader | None = None
+        try:
+            for key, task in zip(keys, tasks, strict=True):
+                try:
+                    blob = await task
+                except Exception as exc:  # RPC error, short or oversized blob, bad key
+                    self._failed("get", exc, key)
+                    return
+                if blob is None:  # evicted since the Lookup
+                    return
+                self._count("fetched_bytes", len(blob))
+                checked = await self._loop.run_in_executor(
+                    self._cpu, self._check_chunk, key, blob, first
+                )
+                if checked is None:
+                    return
+                first = first or checked[0]
+                out.append(checked[1])
+                self._remember((key,))
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _push_worker(self) -> None:
+        while True:
+            key, layers = await self._push_queue.get()
+            try:
+                await self._push(key, layers)
+            finally:
+                with self._lock:
+                    self._pending_pushes -= 1
+                    self._inflight.discard(key)
+                    self._idle.notify_all()
+
+    async def _push(self, key: bytes, layers: KvLayers) -> None:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                if await self._chunk_client.lookup([key]):
+                    stored = False
+                else:
+                    blob = await self._loop.run_in_executor(self._cpu, pack_kv, layers, self.dtype)
+                    stored = not (await self._chunk_client.put(key, blob)).already_present
+        except Exception as exc:
+            self._failed("push", exc, key)
+            return
+        self._remember((key,))
+        self._count("pushed_chunks" if stored else "push_skipped")
+
+    async def _record_worker(self) -> None:
+        while True:
+            key = await self._record_queue.get()
+            with self._lock:
+                seq, data = self._records[key]
+            try:
+                await self._replace_record(key, data)
+            except Exception as exc:
+                self._failed("record write", exc, key)
+            finally:
+                with self._lock:
+                    if self._records[key][0] == seq:
+                        del self._records[key]
+                        self._idle.notify_all()
+                    else:  # a newer write came in meanwhile: write that one too
+                        self._record_queue.put_nowait(key)
+
+    async def _replace_record(self, key: bytes, data: bytes | None) -> None:
+        async with asyncio.timeout(self.timeout_s):
+            await self._record_client.delete(key)
+            if data is None:
+                return
+            # Another replica may write the same key between our Delete and Put;
+            # one more round settles it (the last writer in this process wins).
+            for _ in range(2):
+                if not (await self._record_client.put(key, data)).already_present:
+                    return
+                await self._record_client.delete(key)
+            raise RuntimeError("record kept being re-created by another writer")
+
+
+class MemoryKvChunkStore(_CountingStore):
+    """``KvChunkStore`` in a dict, for engine tests; same contract, no network.
+
+    Chunks are stored packed (``blobs``, shared with records as in the real
+    store), so tests can corrupt them. Knobs, changeable at any time:
+    ``delay_s`` makes prefetch resolve that much later on a timer thread (and
+    get_record block that long); a delay of ``timeout_s`` or more is a timeout.
+    ``fail`` makes every operation fail (counted as an error).
+    """
+
+    def __init__(
+        self,
+        *,
+        dtype: str = "float32",
+        timeout_s: float = 2.0,
+        delay_s: float = 0.0,
+        fail: bool = False,
+    ) -> None:
+        super().__init__(dtype, timeout_s)
+        self.delay_s = delay_s
+        self.fail = fail
+        self.blobs: dict[bytes, bytes] = {}
+        self._lock = threading.Lock()
+        self._timers: dict[Future[list[KvLayers]], threading.Timer] = {}
+        self._closed = False
+
+    def _collect(self, keys: list[bytes]) -> list[KvLayers]:
+        out: list[KvLayers] = []
+        first: KvHeader | None = None
+        if self.fail:
+            self._failed("prefetch", ConnectionError("failure injected"))
+        elif self.delay_s >= self.timeout_s:
+            self._failed("prefetch", TimeoutError(f"delay_s={self.delay_s}"))
+        else:
+            for key in keys:
+                with self._lock:
+                    blob = self.blobs.get(key)
+                if blob is None:
+                    break
+                self._count("fetched_bytes", len(blob))
+                checked = self._check_chunk(key, blob, first)
+                if checked is None:
+                    break
+                first = first or checked[0]
+                out.append(checked[1])
+        self._finish_prefetch(len(keys), len(out))
+        return out
+
+    def prefetch(self, keys: Sequence[bytes]) -> Future[list[KvLayers]]:
+        future: Future[list[KvLayers]] = Future()
+        keys = list(keys)
+        if not keys or self._closed:
+            future.set_result([])
+        elif self.delay_s <= 0:
+            future.set_result(self._collect(keys))
+        else:
+
+            def fire() -> None:
+                with self._lock:
+                    self._timers.pop(future, None)
+                _resolve(future, self._collect(keys))
+
+            timer = threading.Timer(min(self.delay_s, self.timeout_s), fire)
+            timer.daemon = True
+            with self._lock:
+                self._timers[future] = timer
+            timer.start()
+        return future
+
+    def push(self, key: bytes, layers: KvLayers) -> None:
+        if self._closed:
+            return
+        if self.fail:
+            self._failed("push", ConnectionError("failure injected"), key)
+            return
+        with self._lock:
+            present = key in self.blobs
+        if present:
+            self._count("push_skipped")
+            return
+        blob = pack_kv(layers, self.dtype)
+        with self._lock:
+            self.blobs.setdefault(key, blob)
+        self._count("pushed_chunks")
+
+    def get_record(self, key: bytes, timeout_s: float) -> bytes | None:
+        if self._closed:
+            return None
+        if self.delay_s > 0:
+            time.sleep(min(self.delay_s, timeout_s))
+        if self.fail or self.delay_s >= timeout_s:
+            error = ConnectionError("failure injected") if self.fail else TimeoutError()
+            self._failed("record get", error, key)
+            return None
+        with self._lock:
+            return self.blobs.get(key)
+
+    def put_record(self, key: bytes, data: bytes) -> None:
+        if self._closed:
+            return
+        if self.fail:
+            self._failed("record write", ConnectionError("failure injected"), key)
+            return
+        with self._lock:
+            self.blobs[key] = bytes(data)
+
+    def delete_record(self, key: bytes) -> None:
+        if self._closed:
+            return
+        if self.fail:
+            self._failed("record write", ConnectionError("failure injected"), key)
+            return
+        with self._lock:
+            self.blobs.pop(key, None)
+
+    def record_pending(self, key: bytes) -> bool:
+        return False  # writes are synchronous
+
+    def flush(self, timeout_s: float) -> bool:
+        return True  # writes are synchronous
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            timers, self._timers = self._timers, {}
+        for future, timer in timers.items():
+            timer.cancel()
+            _resolve(future, [])
