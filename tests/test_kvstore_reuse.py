@@ -85,6 +85,9 @@ def test_session_migrates_between_engines(tiny_model_dir: Path, kvstore: KvStore
     b = make_engine(tiny_model_dir, kvstore.target)
     sid = a.create_session().session_id
     a1 = a.generate(dataclasses.replace(greedy("a1", t1, 7), session_id=sid))
+    # The record lands before the answer; the history's chunks are pushed in the
+    # background just after it. Wait for them so the reuse below is exact.
+    assert a.remote is not None and a.remote.flush(10)
     b2 = b.generate(dataclasses.replace(greedy("b2", t2, 7), session_id=sid))
     assert a1.token_ids == r1.token_ids and b2.token_ids == r2.token_ids
     history = len(t1) + 7

@@ -9,8 +9,6 @@ moved.
 
 from __future__ import annotations
 
-import json
-import re
 import secrets
 import time
 from collections import Counter
@@ -25,9 +23,9 @@ from ..errors import GenAIError, Internal, InvalidArgument
 from . import sampler as sampling
 from .detokenizer import IncrementalDetokenizer
 from .kv_connector import KvChunkStore
+from .kv_reuse import KvReuse
 from .model_dir import ModelSpec, load_model_spec
 from .model_runner import ModelRunner, StepItem, create_runner
-from .prefix_cache import KvLayers, PrefixIndex, chunk_keys, make_namespace
 from .request import (
     FinishReason,
     GenerationRequest,
@@ -41,7 +39,15 @@ from .request import (
 )
 from .scheduler import Scheduler
 from .sequence import SeqStatus, Sequence
-from .sessions import Session, SessionInfo, SessionTable
+from .sessions import (
+    Session,
+    SessionInfo,
+    SessionTable,
+    is_session_id,
+    record_key,
+    session_from_record,
+    session_record,
+)
 from .stops import StopStringMatcher
 from .tokenizer import Tokenizer
 from .validation import resolve_max_new_tokens, validate_request
@@ -89,39 +95,30 @@ class LLMEngine:
             self.spec, config.runner, max_slots=config.scheduler.max_num_seqs, max_len=context
         )
         self.vocab_size = self.spec.vocab_size
-        self.scheduler = Scheduler(config.scheduler, admit=self._admit)
-        kv = self.spec.kv
-        self.remote = chunk_store
-        if self.remote is None and config.kvstore is not None:
-            from .kv_connector import GrpcKvChunkStore
-
-            self.remote = GrpcKvChunkStore(
-                config.kvstore.target,
-                dtype=kv.dtype,
-                timeout_s=config.kvstore.timeout_s,
-                auth_token=config.kvstore.auth_token,
-            )
+        self.counters: Counter[str] = Counter()
+        self.kv_reuse = KvReuse.for_model(
+            self.runner, self.spec, config, self.counters, chunk_store
+        )
+        # Reused KV is attached when a sequence is admitted to its first step.
+        self.scheduler = Scheduler(config.scheduler, admit=self.kv_reuse.attach)
+        # Aliases read by the engine process and tests; ``remote`` also carries
+        # the session records.
+        self.remote = self.kv_reuse.remote
+        self.prefix_index = self.kv_reuse.prefix_index
+        self.namespace = self.kv_reuse.namespace
+        self.chunk_size = self.kv_reuse.chunk_size
         self.sessions = SessionTable(
             config.sessions.max_sessions,
             config.sessions.idle_ttl_s,
             on_evict=self._drop_session_kv,
             restore=self._restore_session if self.remote is not None else None,
         )
-        self.chunk_size = config.cache.chunk_size
-        self.namespace = make_namespace(
-            self.spec.fingerprint,
-            kv.dtype,
-            f"L{kv.num_layers}.H{kv.num_kv_heads}.D{kv.head_dim}.hnd",
-            self.chunk_size,
-        )
-        self.prefix_index = PrefixIndex(config.cache.prefix_cache_bytes)
         self._requests: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []
         # Final outputs of session turns waiting for their record to land in
         # the kvstore: (record key, give-up time, output).
         self._held: list[tuple[bytes, float, RequestOutput]] = []
         self.last_step_idle = False  # the last step computed nothing (waiting on I/O)
-        self.counters: Counter[str] = Counter()
 
     # -- public API ------------------------------------------------------------
 
@@ -162,7 +159,7 @@ class LLMEngine:
         try:
             seq = self._make_sequence(request, history, session)
             self.scheduler.add(seq)
-            self._start_prefetch(seq)
+            self.kv_reuse.start_prefetch(seq)
         except GenAIError:
             if session is not None:
                 self.sessions.end_turn(session)
@@ -259,7 +256,7 @@ class LLMEngine:
         if session.running_request_id is not None:
             self.abort(session.running_request_id)  # closing cancels a running turn
         if self.remote is not None:
-            self.remote.delete_record(_record_key(session_id))
+            self.remote.delete_record(record_key(session_id))
         return SessionTable.info(self.sessions.close(session_id))
 
     def list_sessions(self) -> list[SessionInfo]:
@@ -297,34 +294,6 @@ class LLMEngine:
             session=session,
         )
 
-    def _admit(self, seq: Sequence) -> bool:
-        """Attach reused KV before a sequence's first step."""
-        session = seq.session
-        if session is not None:
-            if not session.kv_ready:
-                return False  # the previous turn's last token is computed this step
-            if session.kv is not None:
-                self.runner.write_kv(seq.seq_id, session.kv)
-                seq.num_computed = seq.num_cached = session.kv_len
-                session.kv, session.kv_len = None, 0
-                self.counters["session_cached_tokens"] += seq.num_cached
-                return True
-        if seq.prefetch is not None:
-            if not seq.prefetch.done():
-                return False  # its chunks are on their way from the kvstore
-            if self._attach_prefetched(seq):
-                return True
-        if self.prefix_index.capacity_bytes and seq.num_computed == 0:
-            # Always leave at least one prompt token to compute: its logits are needed.
-            keys = chunk_keys(self.namespace, seq.token_ids[: seq.prompt_len - 1], self.chunk_size)
-            hits = self.prefix_index.match(keys)
-            if hits:
-                self.runner.write_kv(seq.seq_id, self.prefix_index.gather(keys[:hits]))
-                seq.num_computed = seq.num_cached = hits * self.chunk_size
-                seq.stored_chunks = hits
-                self.counters["prefix_cached_tokens"] += seq.num_cached
-        return True
-
     def _postprocess(
         self, items: list[tuple[Sequence, int]], logits: np.ndarray
     ) -> list[RequestOutput]:
@@ -336,7 +305,7 @@ class LLMEngine:
             elif seq.num_pending == 0:
                 to_sample.append(i)
                 if not seq.output_ids:
-                    self._store_prefix(seq)  # prompt done: share its chunks right away
+                    self.kv_reuse.store(seq)  # prompt done: share its chunks right away
         if not to_sample:
             return []
         seqs = [items[i][0] for i in to_sample]
@@ -438,7 +407,7 @@ class LLMEngine:
         if seq.session is not None and self.remote is not None and self.config.kvstore:
             # Answer only once the session record is visible to other replicas,
             # so the next turn may go to any of them.
-            key = _record_key(seq.session.session_id)
+            key = record_key(seq.session.session_id)
             give_up = time.monotonic() + self.config.kvstore.record_wait_s
             self._held.append((key, give_up, final))
             return RequestOutput(seq.request_id, (token,), text, (lp,) if lp else ())
@@ -498,7 +467,7 @@ class LLMEngine:
 
     def _retire(self, seq: Sequence) -> None:
         if seq.status is SeqStatus.RUNNING or seq.status is SeqStatus.COMMITTING:
-            self._store_prefix(seq)
+            self.kv_reuse.store(seq)
         seq.status = SeqStatus.FINISHED
         self.scheduler.remove(seq)
         self.runner.release(seq.seq_id)
@@ -521,112 +490,20 @@ class LLMEngine:
     def _drop_session_kv(self, session: Session) -> None:
         session.kv, session.kv_len = None, 0
 
-    def _store_prefix(self, seq: Sequence) -> None:
-        """Put the sequence's complete, not yet stored chunks into the prefix index
-        and push them to the kvstore."""
-        if not self.prefix_index.capacity_bytes and self.remote is None:
-            return
-        n_chunks = self.runner.kv_len(seq.seq_id) // self.chunk_size
-        if n_chunks <= seq.stored_chunks:
-            return
-        keys = chunk_keys(
-            self.namespace, seq.token_ids[: n_chunks * self.chunk_size], self.chunk_size
-        )
-        for i in range(seq.stored_chunks, n_chunks):
-            if keys[i] in self.prefix_index:
-                continue  # stored (and pushed) when it was first computed
-            start = i * self.chunk_size
-            layers = self.runner.read_kv(seq.seq_id, start, start + self.chunk_size)
-            if self.prefix_index.capacity_bytes:
-                self.prefix_index.put(keys[i], layers)  # copies
-            if self.remote is not None:
-                self.remote.push(keys[i], layers)  # takes ownership
-        seq.stored_chunks = n_chunks
-
-    def _start_prefetch(self, seq: Sequence) -> None:
-        """Ask the kvstore for the prompt's chunks the local index lacks (background)."""
-        if self.remote is None:
-            return
-        session = seq.session
-        if session is not None and (session.kv is not None or session.committing):
-            return  # its KV is resident
-        keys = chunk_keys(self.namespace, seq.token_ids[: seq.prompt_len - 1], self.chunk_size)
-        local = self._local_run(keys)
-        if local < len(keys):
-            seq.prefix_keys, seq.prefetch_from = keys, local
-            seq.prefetch = self.remote.prefetch(keys[local:])
-
-    def _local_run(self, keys: list[bytes]) -> int:
-        """Leading ``keys`` present in the local index (without counting a lookup)."""
-        n = 0
-        while n < len(keys) and keys[n] in self.prefix_index:
-            n += 1
-        return n
-
-    def _attach_prefetched(self, seq: Sequence) -> bool:
-        """Write local + fetched chunks as the sequence's KV; False if nothing usable."""
-        assert seq.prefetch is not None
-        fetched = seq.prefetch.result()
-        seq.prefetch = None
-        keys, start = seq.prefix_keys, seq.prefetch_from
-        if not fetched or self._local_run(keys[:start]) < start:
-            return False  # nothing came, or local chunks were evicted meanwhile
-        local = self.prefix_index.match(keys[:start]) if start else 0
-        chunks = self.prefix_index.gather(keys[:local]) if local else None
-        self.runner.write_kv(seq.seq_id, _join_chunks(chunks, fetched))
-        n = local + len(fetched)
-        seq.num_computed = seq.num_cached = n * self.chunk_size
-        seq.stored_chunks = n
-        if self.prefix_index.capacity_bytes:
-            for i, chunk in enumerate(fetched):
-                self.prefix_index.put(keys[local + i], chunk)
-        self.counters["prefix_cached_tokens"] += local * self.chunk_size
-        self.counters["kvstore_cached_tokens"] += len(fetched) * self.chunk_size
-        return True
-
     def _save_session(self, session: Session) -> None:
-        if self.remote is None:
-            return
-        record = {
-            "v": 1,
-            "session_id": session.session_id,
-            "owner": session.owner,
-            "created_at": session.created_at,
-            "last_used_at": session.last_used_at,
-            "idle_ttl_s": session.idle_ttl_s,
-            "turns": session.turns,
-            "metadata": session.metadata,
-            "history": session.history,
-        }
-        self.remote.put_record(_record_key(session.session_id), json.dumps(record).encode())
+        if self.remote is not None:
+            self.remote.put_record(record_key(session.session_id), session_record(session))
 
     def _restore_session(self, session_id: str) -> Session | None:
         """A session not in memory (evicted, or created on another replica)."""
-        if self.remote is None or not _SESSION_ID.fullmatch(session_id):
+        if self.remote is None or not is_session_id(session_id):
             return None
         timeout = self.config.kvstore.timeout_s if self.config.kvstore else 1.0
-        data = self.remote.get_record(_record_key(session_id), timeout)
+        data = self.remote.get_record(record_key(session_id), timeout)
         if data is None:
             return None
-        try:
-            rec = json.loads(data)
-            history = [int(t) for t in rec["history"]]
-            if rec["session_id"] != session_id or any(
-                not 0 <= t < self.vocab_size for t in history
-            ):
-                raise ValueError("record does not match")
-            session = Session(
-                session_id=session_id,
-                created_at=float(rec["created_at"]),
-                last_used_at=time.time(),
-                idle_ttl_s=float(rec["idle_ttl_s"]),
-                owner=str(rec.get("owner", "")),
-                metadata={str(k): str(v) for k, v in rec.get("metadata", {}).items()},
-                history=history,
-                turns=int(rec.get("turns", 0)),
-            )
-        except (ValueError, KeyError, TypeError) as exc:
-            log.warning("session_record_unreadable", error=str(exc))
+        session = session_from_record(session_id, data, self.vocab_size)
+        if session is None:
             return None
         self.counters["sessions_restored"] += 1
         return session
@@ -668,22 +545,3 @@ class LLMEngine:
     def _drain_pending(self) -> list[RequestOutput]:
         out, self._pending = self._pending, []
         return out
-
-
-_SESSION_ID = re.compile(r"[0-9a-f]{32}")
-
-
-def _record_key(session_id: str) -> bytes:
-    return b"session:" + session_id.encode()
-
-
-def _join_chunks(local: KvLayers | None, fetched: list[KvLayers]) -> KvLayers:
-    """Local chunks (already joined) then fetched chunks, along the token axis."""
-    parts = ([local] if local else []) + fetched
-    return [
-        (
-            np.concatenate([p[layer][0] for p in parts], axis=1),
-            np.concatenate([p[layer][1] for p in parts], axis=1),
-        )
-        for layer in range(len(parts[0]))
-    ]

@@ -365,8 +365,8 @@ def _logprobs(
         order = np.lexsort((ids, -vals), axis=1)  # most likely first, ties by lowest id
         ids = np.take_along_axis(ids, order, axis=1)
         lps = (np.take_along_axis(vals, order, axis=1) - lse[t, None]).astype(np.float32)
-        for j, pos in enumerate(t):
-            row, want = lr[pos], n_top[lr[pos]]
-            top_ids[row] = ids[j, :want].astype(np.int64)
-            top_lps[row] = lps[j, :want].copy()
+        for k, pos in enumerate(t):
+            row, want = int(lr[pos]), int(n_top[lr[pos]])
+            top_ids[row] = ids[k, :want].astype(np.int64)
+            top_lps[row] = lps[k, :want].copy()
     return logprobs, top_ids, top_lps

@@ -4,19 +4,31 @@ A session owns its token history and, while parked between turns, the KV of
 that history. A turn appends the new input to the history and prefills only
 the new tokens. Plain Python; the KV is an opaque object the engine gets from
 and gives back to the model runner.
+
+With a kvstore, each session is also persisted as a small JSON record (under
+``record_key``) so that an evicted session, or one created on another
+replica, can be restored from it.
 """
 
 from __future__ import annotations
 
+import builtins
+import json
+import re
 import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
+
 from ..errors import FailedPrecondition, NotFound, ResourceExhausted
 
+log = structlog.get_logger(__name__)
+
 SESSION_ID_BYTES = 16  # 128-bit random ids (DESIGN §6)
+_SESSION_ID = re.compile(r"[0-9a-f]{32}")  # secrets.token_hex(SESSION_ID_BYTES)
 
 
 @dataclass(eq=False)
@@ -181,7 +193,7 @@ class SessionTable:
         self.expire_idle()
         return list(self._sessions.values())
 
-    def expire_idle(self) -> list[Session]:
+    def expire_idle(self) -> builtins.list[Session]:
         now = self._clock()
         expired = [s for s in self._sessions.values() if self._expired(s, now)]
         for session in expired:
@@ -214,3 +226,55 @@ class SessionTable:
             metadata=dict(session.metadata),
             last_token_id=session.history[-1] if session.history else None,
         )
+
+
+# -- kvstore records -------------------------------------------------------------
+
+
+def is_session_id(session_id: str) -> bool:
+    """Whether ``session_id`` has the form of an id this service hands out."""
+    return _SESSION_ID.fullmatch(session_id) is not None
+
+
+def record_key(session_id: str) -> bytes:
+    """The kvstore key of a session's record."""
+    return b"session:" + session_id.encode()
+
+
+def session_record(session: Session) -> bytes:
+    """A session's persisted state (no KV, no turn in flight) as a record."""
+    record = {
+        "v": 1,
+        "session_id": session.session_id,
+        "owner": session.owner,
+        "created_at": session.created_at,
+        "last_used_at": session.last_used_at,
+        "idle_ttl_s": session.idle_ttl_s,
+        "turns": session.turns,
+        "metadata": session.metadata,
+        "history": session.history,
+    }
+    return json.dumps(record).encode()
+
+
+def session_from_record(session_id: str, data: bytes, vocab_size: int) -> Session | None:
+    """The session stored in ``data``, or None if the record is unreadable, belongs
+    to another id, or holds tokens outside ``[0, vocab_size)``."""
+    try:
+        rec = json.loads(data)
+        history = [int(t) for t in rec["history"]]
+        if rec["session_id"] != session_id or any(not 0 <= t < vocab_size for t in history):
+            raise ValueError("record does not match")
+        return Session(
+            session_id=session_id,
+            created_at=float(rec["created_at"]),
+            last_used_at=time.time(),
+            idle_ttl_s=float(rec["idle_ttl_s"]),
+            owner=str(rec.get("owner", "")),
+            metadata={str(k): str(v) for k, v in rec.get("metadata", {}).items()},
+            history=history,
+            turns=int(rec.get("turns", 0)),
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        log.warning("session_record_unreadable", error=str(exc))
+        return None

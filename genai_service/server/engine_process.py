@@ -21,7 +21,7 @@ import itertools
 import multiprocessing as mp
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -283,7 +283,7 @@ class EngineProcess:
         except (BrokenPipeError, OSError) as exc:
             raise Unavailable(f"the engine process is gone: {exc}") from exc
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
         """Submit a request and yield its outputs; aborts it in the engine if the
         consumer stops early (client cancel, deadline)."""
         queue: asyncio.Queue[RequestOutput | GenAIError] = asyncio.Queue()

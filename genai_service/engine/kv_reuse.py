@@ -1,0 +1,195 @@
+"""KV reuse across requests: session KV, the in-process prefix index, the kvstore.
+
+A session turn starts from the KV its session parked after the previous turn.
+Any other context is cut into complete chunks of ``chunk_size`` tokens, each
+keyed by its whole prefix (``prefix_cache.chunk_keys``, DESIGN §4). Chunks a
+sequence has computed are put into the local ``PrefixIndex`` and pushed to the
+kvstore (``KvChunkStore``), so a later request with the same prefix, on this
+replica or another, starts with that KV written into the model runner instead
+of recomputing it. Chunks the local index lacks are prefetched from the
+kvstore in the background as soon as a request arrives; the scheduler admits
+it once they have come (or not).
+
+Plain Python + numpy; never imports onnxruntime: the runner is used only
+through ``kv_len``/``read_kv``/``write_kv``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .kv_connector import GrpcKvChunkStore, KvChunkStore
+from .prefix_cache import KvLayers, PrefixIndex, chunk_keys, make_namespace
+
+if TYPE_CHECKING:
+    from ..config import EngineConfig
+    from .model_dir import ModelSpec
+    from .model_runner import ModelRunner
+    from .sequence import Sequence
+
+
+class KvReuse:
+    """Finds, attaches and shares the KV of sequences' contexts.
+
+    Reused tokens are counted into ``counters`` (the engine's):
+    ``session_cached_tokens`` from a session's parked KV, ``prefix_cached_tokens``
+    from the local index, ``kvstore_cached_tokens`` fetched from the kvstore.
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        namespace: bytes,
+        chunk_size: int,
+        prefix_cache_bytes: int,
+        remote: KvChunkStore | None = None,
+        counters: Counter[str] | None = None,
+    ) -> None:
+        self.runner = runner
+        self.namespace = namespace
+        self.chunk_size = chunk_size
+        self.prefix_index = PrefixIndex(prefix_cache_bytes)
+        self.remote = remote
+        self.counters: Counter[str] = Counter() if counters is None else counters
+
+    @classmethod
+    def for_model(
+        cls,
+        runner: ModelRunner,
+        spec: ModelSpec,
+        config: EngineConfig,
+        counters: Counter[str],
+        chunk_store: KvChunkStore | None = None,
+    ) -> KvReuse:
+        """The namespace from the model and its KV layout; the kvstore connector
+        from ``config.kvstore`` unless ``chunk_store`` overrides it."""
+        kv = spec.kv
+        remote = chunk_store
+        if remote is None and config.kvstore is not None:
+            remote = GrpcKvChunkStore(
+                config.kvstore.target,
+                dtype=kv.dtype,
+                timeout_s=config.kvstore.timeout_s,
+                auth_token=config.kvstore.auth_token,
+            )
+        chunk_size = config.cache.chunk_size
+        namespace = make_namespace(
+            spec.fingerprint,
+            kv.dtype,
+            f"L{kv.num_layers}.H{kv.num_kv_heads}.D{kv.head_dim}.hnd",
+            chunk_size,
+        )
+        return cls(runner, namespace, chunk_size, config.cache.prefix_cache_bytes, remote, counters)
+
+    def start_prefetch(self, seq: Sequence) -> None:
+        """Ask the kvstore for the prompt's chunks the local index lacks (background)."""
+        if self.remote is None:
+            return
+        session = seq.session
+        if session is not None and (session.kv is not None or session.committing):
+            return  # its KV is resident
+        keys = self._prompt_keys(seq)
+        local = self._local_run(keys)
+        if local < len(keys):
+            seq.prefix_keys, seq.prefetch_from = keys, local
+            seq.prefetch = self.remote.prefetch(keys[local:])
+
+    def attach(self, seq: Sequence) -> bool:
+        """Attach reused KV before a sequence's first step: its session's parked KV,
+        else the longest prefix found in the kvstore and the local index. False
+        while that KV is not ready yet (the scheduler asks again next step)."""
+        session = seq.session
+        if session is not None:
+            if not session.kv_ready:
+                return False  # the previous turn's last token is computed this step
+            if session.kv is not None:
+                self.runner.write_kv(seq.seq_id, session.kv)
+                seq.num_computed = seq.num_cached = session.kv_len
+                session.kv, session.kv_len = None, 0
+                self.counters["session_cached_tokens"] += seq.num_cached
+                return True
+        if seq.prefetch is not None:
+            if not seq.prefetch.done():
+                return False  # its chunks are on their way from the kvstore
+            if self._attach_prefetched(seq):
+                return True
+        if self.prefix_index.capacity_bytes and seq.num_computed == 0:
+            keys = self._prompt_keys(seq)
+            hits = self.prefix_index.match(keys)
+            if hits:
+                self.runner.write_kv(seq.seq_id, self.prefix_index.gather(keys[:hits]))
+                seq.num_computed = seq.num_cached = hits * self.chunk_size
+                seq.stored_chunks = hits
+                self.counters["prefix_cached_tokens"] += seq.num_cached
+        return True
+
+    def store(self, seq: Sequence) -> None:
+        """Put the sequence's complete, not yet stored chunks into the prefix index
+        and push them to the kvstore."""
+        if not self.prefix_index.capacity_bytes and self.remote is None:
+            return
+        n_chunks = self.runner.kv_len(seq.seq_id) // self.chunk_size
+        if n_chunks <= seq.stored_chunks:
+            return
+        keys = chunk_keys(
+            self.namespace, seq.token_ids[: n_chunks * self.chunk_size], self.chunk_size
+        )
+        for i in range(seq.stored_chunks, n_chunks):
+            if keys[i] in self.prefix_index:
+                continue  # stored (and pushed) when it was first computed
+            start = i * self.chunk_size
+            layers = self.runner.read_kv(seq.seq_id, start, start + self.chunk_size)
+            if self.prefix_index.capacity_bytes:
+                self.prefix_index.put(keys[i], layers)  # copies
+            if self.remote is not None:
+                self.remote.push(keys[i], layers)  # takes ownership
+        seq.stored_chunks = n_chunks
+
+    # -- internals ---------------------------------------------------------------
+
+    def _prompt_keys(self, seq: Sequence) -> list[bytes]:
+        # Always leave at least one prompt token to compute: its logits are needed.
+        return chunk_keys(self.namespace, seq.token_ids[: seq.prompt_len - 1], self.chunk_size)
+
+    def _local_run(self, keys: list[bytes]) -> int:
+        """Leading ``keys`` present in the local index (without counting a lookup)."""
+        n = 0
+        while n < len(keys) and keys[n] in self.prefix_index:
+            n += 1
+        return n
+
+    def _attach_prefetched(self, seq: Sequence) -> bool:
+        """Write local + fetched chunks as the sequence's KV; False if nothing usable."""
+        assert seq.prefetch is not None
+        fetched = seq.prefetch.result()
+        seq.prefetch = None
+        keys, start = seq.prefix_keys, seq.prefetch_from
+        if not fetched or self._local_run(keys[:start]) < start:
+            return False  # nothing came, or local chunks were evicted meanwhile
+        local = self.prefix_index.match(keys[:start]) if start else 0
+        chunks = self.prefix_index.gather(keys[:local]) if local else None
+        self.runner.write_kv(seq.seq_id, join_chunks(chunks, fetched))
+        n = local + len(fetched)
+        seq.num_computed = seq.num_cached = n * self.chunk_size
+        seq.stored_chunks = n
+        if self.prefix_index.capacity_bytes:
+            for i, chunk in enumerate(fetched):
+                self.prefix_index.put(keys[local + i], chunk)
+        self.counters["prefix_cached_tokens"] += local * self.chunk_size
+        self.counters["kvstore_cached_tokens"] += len(fetched) * self.chunk_size
+        return True
+
+
+def join_chunks(local: KvLayers | None, fetched: list[KvLayers]) -> KvLayers:
+    """Local chunks (already joined) then fetched chunks, along the token axis."""
+    parts = ([local] if local else []) + fetched
+    return [
+        (
+            np.concatenate([p[layer][0] for p in parts], axis=1),
+            np.concatenate([p[layer][1] for p in parts], axis=1),
+        )
+        for layer in range(len(parts[0]))
+    ]

@@ -1,0 +1,131 @@
+"""``genai-stack``: the pod on one machine (what ``make serve`` runs).
+
+Starts ``genai-kvstore`` and ``genai-server`` (connected to it) as child
+processes, waits until the server reports SERVING, streams one sample chat
+answer through the public client, then keeps serving until Ctrl-C/SIGTERM and
+stops both children gracefully.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+SAMPLE_PROMPT = "Name three primary colors."
+
+
+def wait_serving(target: str, timeout_s: float, procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            for proc in procs:
+                if proc.poll() is not None:
+                    name = proc.args[0] if isinstance(proc.args, list) else proc.args
+                    raise RuntimeError(f"{name!s} exited with code {proc.returncode}")
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.25)
+    raise TimeoutError(f"{target} did not report SERVING within {timeout_s:.0f} s")
+
+
+def sample_request(target: str, prompt: str) -> None:
+    from genai_client import Client
+
+    with Client(target) as client:
+        print(f"> {prompt}", flush=True)
+        stream = client.stream(messages=[("user", prompt)], max_new_tokens=128)
+        started = time.monotonic()
+        for delta in stream:
+            print(delta.text, end="", flush=True)
+        result = stream.result
+        elapsed = time.monotonic() - started
+        print(
+            f"\n[{result.usage.completion_tokens} tokens, {result.finish_reason}, "
+            f"{result.usage.completion_tokens / max(elapsed, 1e-9):.1f} tok/s]",
+            flush=True,
+        )
+
+
+def stop_all(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 30) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="genai-stack", description=__doc__)
+    p.add_argument("--model", default="default")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--kvstore-port", type=int, default=50052)
+    p.add_argument("--kvstore-memory-bytes", default="1GiB")
+    p.add_argument("--kvstore-disk-dir", default=None)
+    p.add_argument("--prompt", default=SAMPLE_PROMPT)
+    p.add_argument("--once", action="store_true", help="exit after the sample request")
+    p.add_argument("--start-timeout", type=float, default=900.0)
+    args, server_args = p.parse_known_args(argv)
+
+    bin_dir = os.path.dirname(sys.executable)
+    kv_cmd = [
+        os.path.join(bin_dir, "genai-kvstore"),
+        "--host", args.host,
+        "--port", str(args.kvstore_port),
+        "--memory-bytes", args.kvstore_memory_bytes,
+    ]  # fmt: skip
+    if args.kvstore_disk_dir:
+        kv_cmd += ["--disk-dir", args.kvstore_disk_dir]
+    server_cmd = [
+        os.path.join(bin_dir, "genai-server"),
+        "--model", args.model,
+        "--host", args.host,
+        "--port", str(args.port),
+        "--kvstore", f"{args.host}:{args.kvstore_port}",
+        *server_args,
+    ]  # fmt: skip
+    procs = [subprocess.Popen(kv_cmd)]
+    procs.append(subprocess.Popen(server_cmd))
+    target = f"{args.host}:{args.port}"
+    stop_requested = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        print(f"starting genai-kvstore and genai-server ({args.model}) ...", flush=True)
+        wait_serving(target, args.start_timeout, procs)
+        print(f"serving on {target} (kvstore on {args.host}:{args.kvstore_port})", flush=True)
+        sample_request(target, args.prompt)
+        if args.once:
+            return 0
+        print("Ctrl-C to stop.", flush=True)
+        while not stop_requested and all(proc.poll() is None for proc in procs):
+            time.sleep(0.5)
+        return 0 if stop_requested else 1
+    finally:
+        stop_all(procs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
