@@ -425,6 +425,15 @@ def test_sigterm_drains_and_exits_zero(long_context_model_dir: Path, tmp_path: P
                     pass
                 time.sleep(0.1)
             stub = generate_pb2_grpc.GenerateServiceStub(ch)
+            with pytest.raises(grpc.RpcError):
+                stub.Generate(
+                    gen_request(
+                        "hello",
+                        2,
+                        request_id="bad-request-7",
+                        sampling=generate_pb2.SamplingParams(top_p=5),
+                    )
+                )
             stream = stub.GenerateStream(gen_request("the cat", 1500))
             next(stream)
             proc.send_signal(signal.SIGTERM)
@@ -437,12 +446,16 @@ def test_sigterm_drains_and_exits_zero(long_context_model_dir: Path, tmp_path: P
             proc.wait()
     import json
 
-    events = [
-        json.loads(line)["event"]
-        for line in log_path.read_text().splitlines()
-        if line.startswith("{")
+    records = [
+        json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")
     ]
+    events = [r["event"] for r in records]
     assert "draining" in events and "stopped" in events
+    # one structured line per failed RPC, carrying its request id and status code
+    errors = [r for r in records if r["event"] == "rpc_error"]
+    assert any(
+        r["request_id"] == "bad-request-7" and r["code"] == "INVALID_ARGUMENT" for r in errors
+    )
 
 
 def test_session_chat_turns_continue_the_conversation(channel: grpc.Channel) -> None:
@@ -483,3 +496,70 @@ def test_closing_a_session_cancels_its_running_turn(channel: grpc.Channel) -> No
     sessions.CloseSession(session_pb2.CloseSessionRequest(session_id=sid))
     events = list(stream)
     assert events[-1].final.finish_reason == common_pb2.FINISH_REASON_CANCELLED
+
+
+def test_cli_generate_json_matches_the_rpc(
+    server: ServerThread, channel: grpc.Channel, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from genai_client.cli import main as cli
+
+    stub = generate_pb2_grpc.GenerateServiceStub(channel)
+    rc = cli(
+        [
+            "--target",
+            server.target,
+            "generate",
+            "the cat sat",
+            "--max-new-tokens",
+            "6",
+            "--ignore-eos",
+            "--json",
+        ]
+    )
+    assert rc == 0
+    printed = json_format.Parse(capsys.readouterr().out, generate_pb2.GenerateResponse())
+    want = stub.Generate(gen_request("the cat sat", 6))
+    assert printed.request_id and printed.seed
+    for field in ("text", "token_ids", "finish_reason", "usage"):
+        assert getattr(printed, field) == getattr(want, field), field
+    # streamed text without --json, and exit code 1 with the status on stderr
+    assert (
+        cli(
+            [
+                "--target",
+                server.target,
+                "generate",
+                "the cat sat",
+                "--max-new-tokens",
+                "6",
+                "--ignore-eos",
+            ]
+        )
+        == 0
+    )
+    assert capsys.readouterr().out.rstrip("\n") == want.text
+    assert cli(["--target", server.target, "generate", "hello", "--temperature", "-1"]) == 1
+    assert "INVALID_ARGUMENT" in capsys.readouterr().err
+
+
+def test_client_library_against_the_server(server: ServerThread) -> None:
+    from genai_client import Client, FailedPreconditionError, InvalidArgumentError, NotFoundError
+
+    with Client(server.target) as client:
+        result = client.generate("the cat sat", max_new_tokens=5, ignore_eos=True)
+        stream = client.stream("the cat sat", max_new_tokens=5, ignore_eos=True)
+        assert "".join(d.text for d in stream) == result.text == stream.result.text
+        assert result.finish_reason == "MAX_TOKENS" and result.usage.completion_tokens == 5
+        with client.session() as s:
+            first = s.generate("hello , who are you ?", max_new_tokens=4, ignore_eos=True)
+            second = s.generate("what is my name ?", max_new_tokens=4, ignore_eos=True)
+            assert second.usage.cached_tokens == first.session_tokens
+            running = s.stream("the cat", max_new_tokens=2000, ignore_eos=True)
+            next(iter(running))
+            with pytest.raises(FailedPreconditionError):
+                s.generate("again", max_new_tokens=2)
+            running.cancel()
+        with pytest.raises(NotFoundError):
+            client.get_session(s.id)
+        with pytest.raises(InvalidArgumentError, match="sampling.top_k"):
+            client.generate("hello", top_k=10**6)
