@@ -1,0 +1,232 @@
+"""Read a GGUF file: metadata, Llama hyper-parameters and (de)quantised tensors.
+
+Parsing is delegated to the ``gguf`` package (memory-mapped, no copies); the
+block formats are decoded here with vectorised numpy so that the converter can
+either dequantise to float32 or carry the exact block contents (scales, mins,
+integer codes) over to ONNX Runtime's block-quantised operators.
+
+Block layouts (32 elements per block, along the input dimension of a weight):
+
+- ``Q8_0`` (34 bytes): ``d: f16``, ``q: int8[32]``; ``x = d * q``.
+- ``Q4_0`` (18 bytes): ``d: f16``, ``qs: u8[16]``; ``x = d * (q - 8)``.
+- ``Q4_1`` (20 bytes): ``d: f16``, ``m: f16``, ``qs: u8[16]``; ``x = d * q + m``.
+
+In the 4-bit formats byte ``j`` of ``qs`` holds element ``j`` in its low nibble
+and element ``j + 16`` in its high nibble.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+QK = 32  # elements per block in every supported quantised type
+
+SUPPORTED_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
+
+_BLOCK_BYTES = {"Q8_0": 2 + QK, "Q4_0": 2 + QK // 2, "Q4_1": 4 + QK // 2}
+
+
+class UnsupportedTensorType(ValueError):
+    """A tensor uses a GGUF type the converter cannot decode."""
+
+    def __init__(self, name: str, type_name: str) -> None:
+        super().__init__(
+            f"tensor {name!r} has GGUF type {type_name}, which the converter does not support "
+            f"(supported: {', '.join(SUPPORTED_TYPES)}); re-quantise the GGUF with one of "
+            "these types, e.g. `llama-quantize --allow-requantize IN OUT Q4_1`"
+        )
+        self.tensor_name = name
+        self.type_name = type_name
+
+
+@dataclass(frozen=True)
+class BlockCodes:
+    """The integer codes and per-block parameters of a block-quantised matrix.
+
+    ``codes`` is ``[rows, n_blocks, 32]`` uint8 in element order; the value of
+    element ``i`` of block ``b`` in row ``r`` is
+    ``scale[r, b] * (codes[r, b, i] - offset) + minimum[r, b]`` (``minimum`` is
+    zero for the symmetric types).
+    """
+
+    codes: npt.NDArray[np.uint8]  # [rows, n_blocks, 32]
+    scale: npt.NDArray[np.float32]  # [rows, n_blocks]
+    minimum: npt.NDArray[np.float32]  # [rows, n_blocks]
+    offset: int  # subtracted from the codes: 8 (Q4_0), 128 (Q8_0 as unsigned), 0 (Q4_1)
+    bits: int
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """One tensor of the file: its type and its raw bytes (memory-mapped)."""
+
+    name: str
+    type_name: str
+    shape: tuple[int, ...]  # numpy order: a weight is [out_features, in_features]
+    raw: np.ndarray  # as stored: float32/float16 values or uint8 blocks [rows, bytes]
+
+    def dequantize(self) -> npt.NDArray[np.float32]:
+        """The tensor as float32 in numpy order."""
+        return dequantize(self.type_name, self.raw, self.shape, self.name)
+
+    def block_codes(self) -> BlockCodes:
+        """The block contents of a quantised tensor (Q8_0, Q4_0, Q4_1)."""
+        if self.type_name not in _BLOCK_BYTES:
+            raise ValueError(f"tensor {self.name!r} ({self.type_name}) is not block-quantised")
+        return unpack_blocks(self.type_name, _rows(self.raw, self.shape), self.name)
+
+
+@dataclass(frozen=True)
+class LlamaParams:
+    """Architecture values read from ``llama.*`` metadata."""
+
+    n_layers: int
+    hidden: int
+    ffn: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rope_dim: int
+    rope_theta: float
+    rms_eps: float
+    context_length: int
+    vocab_size: int
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, Any]) -> LlamaParams:
+        arch = meta.get("general.architecture")
+        if arch != "llama":
+            raise ValueError(
+                f"general.architecture is {arch!r}; only 'llama' (Llama-family GGUF files) "
+                "is supported"
+            )
+
+        def need(key: str) -> Any:
+            if key not in meta:
+                raise ValueError(f"GGUF metadata lacks {key!r}")
+            return meta[key]
+
+        hidden = int(need("llama.embedding_length"))
+        n_heads = int(need("llama.attention.head_count"))
+        head_dim = hidden // n_heads
+        n_vocab = meta.get("llama.vocab_size")
+        if n_vocab is None:
+            n_vocab = len(need("tokenizer.ggml.tokens"))
+        params = cls(
+            n_layers=int(need("llama.block_count")),
+            hidden=hidden,
+            ffn=int(need("llama.feed_forward_length")),
+            n_heads=n_heads,
+            n_kv_heads=int(meta.get("llama.attention.head_count_kv", n_heads)),
+            head_dim=head_dim,
+            rope_dim=int(meta.get("llama.rope.dimension_count", head_dim)),
+            rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
+            rms_eps=float(need("llama.attention.layer_norm_rms_epsilon")),
+            context_length=int(need("llama.context_length")),
+            vocab_size=int(n_vocab),
+        )
+        if params.rope_dim != head_dim:
+            raise ValueError(
+                f"partial rotary embeddings (rope.dimension_count {params.rope_dim} != head_dim "
+                f"{head_dim}) are not supported"
+            )
+        if "llama.rope.scaling.type" in meta and meta["llama.rope.scaling.type"] != "none":
+            raise ValueError(f"RoPE scaling {meta['llama.rope.scaling.type']!r} is not supported")
+        if n_heads % params.n_kv_heads:
+            raise ValueError(f"head_count {n_heads} is not a multiple of head_count_kv")
+        return params
+
+
+class GGUFModel:
+    """A GGUF file opened read-only: ``metadata`` and ``tensor(name)``."""
+
+    def __init__(self, path: str | Path) -> None:
+        from gguf import GGUFReader  # deferred: only conversion needs it
+
+        self.path = Path(path)
+        reader = GGUFReader(str(self.path), "r")
+        self.metadata: dict[str, Any] = {}
+        for key, field in reader.fields.items():
+            if key.startswith("GGUF."):
+                continue
+            self.metadata[key] = field.contents()
+        self._tensors: dict[str, TensorRef] = {}
+        for t in reader.tensors:
+            # GGUF lists dimensions innermost first; numpy order is the reverse.
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            self._tensors[t.name] = TensorRef(t.name, t.tensor_type.name, shape, t.data)
+        self._used: set[str] = set()
+
+    @property
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def tensor(self, name: str) -> TensorRef:
+        self._used.add(name)
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise KeyError(f"GGUF file {self.path.name} has no tensor {name!r}") from None
+
+    def llama_params(self) -> LlamaParams:
+        return LlamaParams.from_metadata(self.metadata)
+
+    def unused_tensors(self) -> list[str]:
+        """Tensors never read through :meth:`tensor` (after building: not understood)."""
+        return [name for name in self._tensors if name not in self._used]
+
+    def check_types(self) -> None:
+        """Raise :class:`UnsupportedTensorType` for the first tensor we cannot decode."""
+        for ref in self._tensors.values():
+            if ref.type_name not in SUPPORTED_TYPES:
+                raise UnsupportedTensorType(ref.name, ref.type_name)
+
+
+def _rows(raw: np.ndarray, shape: tuple[int, ...]) -> npt.NDArray[np.uint8]:
+    """Raw block bytes as ``[rows, bytes_per_row]`` uint8."""
+    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    return np.asarray(raw, dtype=np.uint8).reshape(rows, -1)
+
+
+def unpack_blocks(type_name: str, data: np.ndarray, name: str = "?") -> BlockCodes:
+    """Decode ``[rows, n_blocks * block_bytes]`` uint8 into codes and block parameters."""
+    if type_name not in _BLOCK_BYTES:
+        raise UnsupportedTensorType(name, type_name)
+    nbytes = _BLOCK_BYTES[type_name]
+    rows = data.shape[0]
+    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, -1, nbytes)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if type_name == "Q8_0":
+        signed = blocks[..., 2:].view(np.int8)
+        codes = (signed.astype(np.int16) + 128).astype(np.uint8)
+        return BlockCodes(codes, d, np.zeros_like(d), offset=128, bits=8)
+    if type_name == "Q4_0":
+        qs, minimum, offset = blocks[..., 2:], np.zeros_like(d), 8
+    else:  # Q4_1
+        minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs, offset = blocks[..., 4:], 0
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # low nibbles: 0..15, high: 16..31
+    return BlockCodes(codes, d, minimum, offset=offset, bits=4)
+
+
+def dequantize(
+    type_name: str, raw: np.ndarray, shape: tuple[int, ...], name: str = "?"
+) -> npt.NDArray[np.float32]:
+    """Any supported tensor as float32 of ``shape``."""
+    if type_name == "F32":
+        return np.asarray(raw, dtype=np.float32).reshape(shape)
+    if type_name == "F16":
+        return np.asarray(raw, dtype=np.float16).astype(np.float32).reshape(shape)
+    if type_name not in _BLOCK_BYTES:
+        raise UnsupportedTensorType(name, type_name)
+    b = unpack_blocks(type_name, _rows(raw, shape), name)
+    values = b.scale[..., None] * (b.codes.astype(np.float32) - b.offset) + b.minimum[..., None]
+    return values.reshape(shape).astype(np.float32, copy=False)
