@@ -39,3 +39,11 @@ def short_context_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def long_context_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """4,096 positions: room for generations that outlast a deadline or a cancel."""
     return build_tiny_model(tmp_path_factory.mktemp("long"), TinyModelSpec(max_seq_len=4096))
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The real default model (SmolLM2-135M-Instruct, int8), converted once into the user cache."""
+    from genai_service.convert.default_model import resolve_model
+
+    return resolve_model("default", progress=False)

@@ -59,6 +59,8 @@ class Frontend:
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no generate RPC is in flight; False if ``timeout_s`` passed first."""
+        if self._idle.is_set():
+            return True
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         except TimeoutError:
