@@ -10,8 +10,8 @@ from collections import Counter
 import numpy as np
 
 from genai_service.engine.kv_connector import MemoryKvChunkStore
-from genai_service.engine.kv_reuse import KvReuse, join_chunks
-from genai_service.engine.prefix_cache import KvLayers, chunk_keys, kv_nbytes
+from genai_service.engine.kv_reuse import KvReuse
+from genai_service.engine.prefix_cache import KvLayers, chunk_keys, join_chunks, kv_nbytes
 from genai_service.engine.request import GenerationRequest
 from genai_service.engine.sequence import Sequence
 from genai_service.engine.sessions import (
@@ -49,6 +49,9 @@ class DictRunner:
     def write_kv(self, seq_id: int, layers: KvLayers) -> None:
         assert not self.kv_len(seq_id)
         self.kv[seq_id] = [(k.copy(), v.copy()) for k, v in layers]
+
+    def write_chunks(self, seq_id: int, chunks: list[KvLayers]) -> None:
+        self.write_kv(seq_id, join_chunks(chunks))
 
 
 def make_seq(ids: list[int], session: Session | None = None) -> Sequence:
@@ -169,13 +172,13 @@ def test_session_kv_comes_first_and_waits_for_a_commit() -> None:
     assert reuse.counters == Counter(session_cached_tokens=6)
 
 
-def test_join_chunks_puts_local_before_fetched() -> None:
+def test_join_chunks_keeps_order() -> None:
     one = [(np.full((2, 4, 3), 1.0), np.full((2, 4, 3), -1.0))]
     two = [(np.full((2, 4, 3), 2.0), np.full((2, 4, 3), -2.0))]
-    joined = join_chunks(one, [two, two])
+    joined = join_chunks([one, two, two])
     assert joined[0][0].shape == (2, 12, 3) and kv_nbytes(joined) == 3 * kv_nbytes(one)
     assert joined[0][0][0, :, 0].tolist() == [1.0] * 4 + [2.0] * 8
-    assert join_chunks(None, [two])[0][1][0, 0, 0] == -2.0
+    assert join_chunks([two])[0][1][0, 0, 0] == -2.0
 
 
 def test_store_keys_follow_the_chunk_chain() -> None:

@@ -5,7 +5,13 @@ import hashlib
 import numpy as np
 import pytest
 
-from genai_service.engine.prefix_cache import PrefixIndex, chunk_keys, kv_nbytes, make_namespace
+from genai_service.engine.prefix_cache import (
+    PrefixIndex,
+    chunk_keys,
+    join_chunks,
+    kv_nbytes,
+    make_namespace,
+)
 
 
 def _h(b: bytes) -> bytes:
@@ -54,7 +60,7 @@ def test_index_match_gather_and_lru_eviction_by_bytes() -> None:
     index.put(b"a", _layers(1))
     index.put(b"b", _layers(2))
     assert index.match([b"a", b"b", b"c"]) == 2
-    joined = index.gather([b"a", b"b"])
+    joined = join_chunks(index.gather([b"a", b"b"]))
     assert joined[0][0].shape == (2, 8, 8)
     np.testing.assert_array_equal(joined[1][1][:, 4:], _layers(2)[1][1])
     index.match([b"a"])  # a is now most recent

@@ -19,10 +19,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from .kv_connector import GrpcKvChunkStore, KvChunkStore
-from .prefix_cache import KvLayers, PrefixIndex, chunk_keys, make_namespace
+from .prefix_cache import PrefixIndex, chunk_keys, make_namespace
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
@@ -120,7 +118,7 @@ class KvReuse:
             keys = self._prompt_keys(seq)
             hits = self.prefix_index.match(keys)
             if hits:
-                self.runner.write_kv(seq.seq_id, self.prefix_index.gather(keys[:hits]))
+                self.runner.write_chunks(seq.seq_id, self.prefix_index.gather(keys[:hits]))
                 seq.num_computed = seq.num_cached = hits * self.chunk_size
                 seq.stored_chunks = hits
                 self.counters["prefix_cached_tokens"] += seq.num_cached
@@ -170,26 +168,14 @@ class KvReuse:
         if not fetched or self._local_run(keys[:start]) < start:
             return False  # nothing came, or local chunks were evicted meanwhile
         local = self.prefix_index.match(keys[:start]) if start else 0
-        chunks = self.prefix_index.gather(keys[:local]) if local else None
-        self.runner.write_kv(seq.seq_id, join_chunks(chunks, fetched))
+        self.runner.write_chunks(seq.seq_id, self.prefix_index.gather(keys[:local]) + fetched)
         n = local + len(fetched)
         seq.num_computed = seq.num_cached = n * self.chunk_size
         seq.stored_chunks = n
         if self.prefix_index.capacity_bytes:
             for i, chunk in enumerate(fetched):
-                self.prefix_index.put(keys[local + i], chunk)
+                # read-only views of the fetched blob: nothing writes to them
+                self.prefix_index.put(keys[local + i], chunk, copy=False)
         self.counters["prefix_cached_tokens"] += local * self.chunk_size
         self.counters["kvstore_cached_tokens"] += len(fetched) * self.chunk_size
         return True
-
-
-def join_chunks(local: KvLayers | None, fetched: list[KvLayers]) -> KvLayers:
-    """Local chunks (already joined) then fetched chunks, along the token axis."""
-    parts = ([local] if local else []) + fetched
-    return [
-        (
-            np.concatenate([p[layer][0] for p in parts], axis=1),
-            np.concatenate([p[layer][1] for p in parts], axis=1),
-        )
-        for layer in range(len(parts[0]))
-    ]

@@ -16,7 +16,7 @@ import onnxruntime as ort
 
 from ..config import RunnerConfig
 from .model_dir import ModelSpec
-from .prefix_cache import KvLayers
+from .prefix_cache import KvLayers, join_chunks
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,12 @@ class ModelRunner(ABC):
     @abstractmethod
     def write_kv(self, seq_id: int, layers: KvLayers) -> None:
         """Make ``layers`` the whole KV of ``seq_id`` (which must hold none)."""
+
+    def write_chunks(self, seq_id: int, chunks: Sequence[KvLayers]) -> None:
+        """Make consecutive chunks (each per-layer ``(K, V)``) the whole KV of
+        ``seq_id``. Runners that can place chunks without joining them first
+        override this."""
+        self.write_kv(seq_id, join_chunks(chunks))
 
     @abstractmethod
     def release(self, seq_id: int) -> None:

@@ -100,19 +100,14 @@ class PrefixIndex:
         self._entries.move_to_end(key)
         return entry.layers
 
-    def gather(self, keys: Sequence[bytes]) -> KvLayers:
-        """The KV of consecutive chunks joined along the token axis."""
-        chunks = [self.get(k) for k in keys]
-        return [
-            (
-                np.concatenate([c[layer][0] for c in chunks], axis=1),
-                np.concatenate([c[layer][1] for c in chunks], axis=1),
-            )
-            for layer in range(len(chunks[0]))
-        ]
+    def gather(self, keys: Sequence[bytes]) -> list[KvLayers]:
+        """The KV of consecutive chunks, in order (touched as recently used)."""
+        return [self.get(k) for k in keys]
 
-    def put(self, key: bytes, layers: KvLayers) -> bool:
-        """Store a chunk (copied); False if it is too large to ever fit."""
+    def put(self, key: bytes, layers: KvLayers, copy: bool = True) -> bool:
+        """Store a chunk; False if it is too large to ever fit. ``copy=False``
+        keeps the arrays as given: only for arrays nothing else writes to (e.g.
+        read-only views of a fetched blob)."""
         if key in self._entries:
             self._entries.move_to_end(key)
             return True
@@ -123,9 +118,11 @@ class PrefixIndex:
             _, old = self._entries.popitem(last=False)
             self.bytes_used -= old.nbytes
             self.evictions += 1
-        owned = [
-            (np.ascontiguousarray(k).copy(), np.ascontiguousarray(v).copy()) for k, v in layers
-        ]
+        owned = (
+            [(np.array(k, copy=True), np.array(v, copy=True)) for k, v in layers]
+            if copy
+            else list(layers)
+        )
         self._entries[key] = _Entry(owned, nbytes)
         self.bytes_used += nbytes
         return True
@@ -133,3 +130,16 @@ class PrefixIndex:
     def clear(self) -> None:
         self._entries.clear()
         self.bytes_used = 0
+
+
+def join_chunks(chunks: Sequence[KvLayers]) -> KvLayers:
+    """Consecutive chunks joined along the token axis (one copy)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    return [
+        (
+            np.concatenate([c[layer][0] for c in chunks], axis=1),
+            np.concatenate([c[layer][1] for c in chunks], axis=1),
+        )
+        for layer in range(len(chunks[0]))
+    ]

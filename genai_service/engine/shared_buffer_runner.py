@@ -107,6 +107,23 @@ class SharedBufferRunner(ModelRunner):
             v[slot, :, :n] = v_in
         self._len[seq_id] = n
 
+    def write_chunks(self, seq_id: int, chunks: Sequence[KvLayers]) -> None:
+        """Copy each chunk straight into the slot (no joined intermediate)."""
+        if self.kv_len(seq_id):
+            raise ValueError(f"sequence {seq_id} already holds KV")
+        total = sum(int(c[0][0].shape[1]) for c in chunks)
+        if total > self.max_len:
+            raise ValueError(f"{total} tokens of KV exceed the buffer length {self.max_len}")
+        slot = self._ensure_slot(seq_id)
+        start = 0
+        for chunk in chunks:
+            n = int(chunk[0][0].shape[1])
+            for (k_in, v_in), k, v in zip(chunk, self.k_buffers, self.v_buffers, strict=True):
+                k[slot, :, start : start + n] = k_in
+                v[slot, :, start : start + n] = v_in
+            start += n
+        self._len[seq_id] = total
+
     def release(self, seq_id: int) -> None:
         slot = self._slot.pop(seq_id, None)
         if slot is None:
