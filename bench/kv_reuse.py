@@ -29,7 +29,9 @@ from genai_service.engine.request import GenerationRequest, StoppingCriteria
 def ttft(engine: LLMEngine, rid: str, ids: list[int]) -> tuple[float, int]:
     """Seconds to the first token, and the cached tokens the request reported."""
     engine.add_request(
-        GenerationRequest(rid, tuple(ids), stopping=StoppingCriteria(max_new_tokens=1, ignore_eos=True))
+        GenerationRequest(
+            rid, tuple(ids), stopping=StoppingCriteria(max_new_tokens=1, ignore_eos=True)
+        )
     )
     start = time.perf_counter()
     first = None
@@ -46,7 +48,9 @@ def ttft(engine: LLMEngine, rid: str, ids: list[int]) -> tuple[float, int]:
     return first, cached
 
 
-def measure(model_dir: str, prompt_tokens: int, reps: int, threads: int, chunk: int) -> dict[str, Any]:
+def measure(
+    model_dir: str, prompt_tokens: int, reps: int, threads: int, chunk: int
+) -> dict[str, Any]:
     from tests.kvstore_harness import KvStoreProcess
 
     kv = KvStoreProcess("--log-format", "console", "--memory-bytes", str(4 << 30)).start()
@@ -102,7 +106,9 @@ def main() -> None:
     from genai_service.convert.default_model import resolve_model
 
     model_dir = str(resolve_model(args.model))
-    print(json.dumps(measure(model_dir, args.prompt_tokens, args.reps, args.threads, args.chunk_size)))
+    print(
+        json.dumps(measure(model_dir, args.prompt_tokens, args.reps, args.threads, args.chunk_size))
+    )
 
 
 if __name__ == "__main__":
