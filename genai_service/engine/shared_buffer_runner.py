@@ -46,6 +46,7 @@ class SharedBufferRunner(ModelRunner):
         self.k_buffers = [np.zeros(shape, self._dtype) for _ in range(kv.num_layers)]
         self.v_buffers = [np.zeros(shape, self._dtype) for _ in range(kv.num_layers)]
         self._views: dict[tuple[int, int], list[ort.OrtValue]] = {}
+        self._bindings: dict[tuple[int, int], ort.IOBinding] = {}
         self._slot: dict[int, int] = {}  # seq_id -> slot
         self._owner: list[int | None] = [None] * max_slots  # slot -> seq_id
         self._len: dict[int, int] = {}  # seq_id -> tokens of valid KV
@@ -195,22 +196,35 @@ class SharedBufferRunner(ModelRunner):
         mask = np.zeros((batch, total), np.int64)
         for b, n in enumerate(lens):
             mask[b, : n + n_new] = 1
-        binding = self.session.io_binding()
+        binding = self._binding(lo, hi)
         binding.bind_cpu_input("input_ids", input_ids)
         if spec.has_attention_mask:
             binding.bind_cpu_input("attention_mask", mask)
         if spec.has_position_ids:
             positions = np.asarray([np.arange(n, n + n_new) for n in lens], np.int64)
             binding.bind_cpu_input("position_ids", positions)
-        binding.bind_output("logits", "cpu")  # first: get_outputs() follows binding order
-        views = self._ortvalues(lo, hi)
-        for layer, ((pk, pv), (ok, ov)) in enumerate(
-            zip(spec.past_names, spec.present_names, strict=True)
-        ):
-            binding.bind_ortvalue_input(pk, views[2 * layer])
-            binding.bind_ortvalue_input(pv, views[2 * layer + 1])
-            binding.bind_ortvalue_output(ok, views[2 * layer])
-            binding.bind_ortvalue_output(ov, views[2 * layer + 1])
+        # Logits land in an array of ours: reading them back through
+        # get_outputs() would wrap every output, the KV buffers included.
+        logits = np.empty(
+            (batch, 1 if spec.logits_last_only else n_new, spec.vocab_size), np.float32
+        )
+        binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
         self.session.run_with_iobinding(binding)
-        logits = binding.get_outputs()[0].numpy()  # [batch, seq or 1, vocab]
-        return np.asarray(logits[:, -1, :], np.float32)
+        return logits[:, -1, :]
+
+    def _binding(self, lo: int, hi: int) -> ort.IOBinding:
+        """An IOBinding with rows ``[lo, hi)`` of the KV buffers bound as both past
+        and present; kept per row range, so a step only rebinds its inputs."""
+        binding = self._bindings.get((lo, hi))
+        if binding is None:
+            binding = self.session.io_binding()
+            views = self._ortvalues(lo, hi)
+            for layer, ((pk, pv), (ok, ov)) in enumerate(
+                zip(self.spec.past_names, self.spec.present_names, strict=True)
+            ):
+                binding.bind_ortvalue_input(pk, views[2 * layer])
+                binding.bind_ortvalue_input(pv, views[2 * layer + 1])
+                binding.bind_ortvalue_output(ok, views[2 * layer])
+                binding.bind_ortvalue_output(ov, views[2 * layer + 1])
+            self._bindings[(lo, hi)] = binding
+        return binding
