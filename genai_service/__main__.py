@@ -7,6 +7,7 @@ import asyncio
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import structlog
 
@@ -59,6 +60,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--session-ttl", type=float, default=900.0, metavar="S")
     g.add_argument("--default-max-new-tokens", type=int, default=256)
     g.add_argument("--max-new-tokens-limit", type=int, default=4096)
+    a = p.add_argument_group("security")
+    a.add_argument(
+        "--auth-token-file",
+        default=None,
+        metavar="PATH",
+        help="bearer tokens, one 'PRINCIPAL TOKEN' per line (env GENAI_AUTH_TOKEN: one token)",
+    )
+    a.add_argument("--tls-cert", default=None, metavar="PEM")
+    a.add_argument("--tls-key", default=None, metavar="PEM")
+    a.add_argument(
+        "--tls-client-ca", default=None, metavar="PEM", help="require client certificates"
+    )
     k = p.add_argument_group("kvstore (data plane)")
     k.add_argument(
         "--kvstore",
@@ -109,7 +122,22 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             else None
         ),
     )
+    tokens: list[tuple[str, str]] = []
+    if os.environ.get("GENAI_AUTH_TOKEN"):
+        tokens.append((os.environ["GENAI_AUTH_TOKEN"], "default"))
+    if args.auth_token_file:
+        for n, line in enumerate(Path(args.auth_token_file).read_text().splitlines(), 1):
+            fields = line.split()
+            if not fields or fields[0].startswith("#"):
+                continue
+            if len(fields) != 2:
+                raise ValueError(f"{args.auth_token_file}:{n}: expected 'PRINCIPAL TOKEN'")
+            tokens.append((fields[1], fields[0]))
     return ServerConfig(
+        auth_tokens=tuple(tokens),
+        tls_cert_file=args.tls_cert,
+        tls_key_file=args.tls_key,
+        tls_client_ca_file=args.tls_client_ca,
         engine=engine,
         host=args.host,
         port=args.port,

@@ -147,6 +147,11 @@ class ServerConfig:
     max_message_bytes: int = 16 * 1024 * 1024  # gRPC receive/send limit per message
     max_input_chars: int = 1_000_000  # text / messages size limit before tokenizing
     engine_start_timeout_s: float = 900.0  # covers first-run conversion of the default model
+    # Bearer tokens accepted on the control plane, as (token, principal); empty: no auth.
+    auth_tokens: tuple[tuple[str, str], ...] = ()
+    tls_cert_file: str | None = None  # PEM; with tls_key_file, serve TLS
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None  # PEM; require client certificates (mTLS)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -158,3 +163,10 @@ class ServerConfig:
         _positive("max_message_bytes", self.max_message_bytes)
         _positive("max_input_chars", self.max_input_chars)
         _positive("engine_start_timeout_s", self.engine_start_timeout_s)
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError("tls_client_ca_file (mTLS) needs tls_cert_file and tls_key_file")
+        for token, principal in self.auth_tokens:
+            if not token or not principal:
+                raise ValueError("auth tokens and their principals must not be empty")

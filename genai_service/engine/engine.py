@@ -19,7 +19,7 @@ import numpy as np
 import structlog
 
 from ..config import EngineConfig
-from ..errors import GenAIError, Internal, InvalidArgument
+from ..errors import GenAIError, Internal, InvalidArgument, PermissionDenied
 from . import sampler as sampling
 from .detokenizer import IncrementalDetokenizer
 from .kv_connector import KvChunkStore
@@ -145,7 +145,7 @@ class LLMEngine:
         session = None
         history: list[int] = []
         if request.session_id is not None:
-            session = self.sessions.get(request.session_id)
+            session = self._owned_session(request.session_id, request.principal)
             history = session.history
         validate_request(
             request,
@@ -243,24 +243,38 @@ class LLMEngine:
         self._save_session(session)
         return SessionTable.info(session)
 
-    def get_session(self, session_id: str) -> SessionInfo:
-        return SessionTable.info(self.sessions.get(session_id))
+    def get_session(self, session_id: str, principal: str = "") -> SessionInfo:
+        return SessionTable.info(self._owned_session(session_id, principal))
 
-    def reset_session(self, session_id: str) -> SessionInfo:
+    def reset_session(self, session_id: str, principal: str = "") -> SessionInfo:
+        self._owned_session(session_id, principal)
         session = self.sessions.reset(session_id)
         self._save_session(session)
         return SessionTable.info(session)
 
-    def close_session(self, session_id: str) -> SessionInfo:
-        session = self.sessions.get(session_id)
+    def close_session(self, session_id: str, principal: str = "") -> SessionInfo:
+        session = self._owned_session(session_id, principal)
         if session.running_request_id is not None:
             self.abort(session.running_request_id)  # closing cancels a running turn
         if self.remote is not None:
             self.remote.delete_record(record_key(session_id))
         return SessionTable.info(self.sessions.close(session_id))
 
-    def list_sessions(self) -> list[SessionInfo]:
-        return [SessionTable.info(s) for s in self.sessions.list()]
+    def list_sessions(self, principal: str = "") -> list[SessionInfo]:
+        """The sessions ``principal`` owns (all of them when auth is off)."""
+        return [
+            SessionTable.info(s)
+            for s in self.sessions.list()
+            if not principal or s.owner == principal
+        ]
+
+    def _owned_session(self, session_id: str, principal: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session.owner and session.owner != principal:
+            raise PermissionDenied(
+                f"session_id: session {session_id!r} belongs to another principal"
+            )
+        return session
 
     # -- internals ---------------------------------------------------------------
 

@@ -79,6 +79,7 @@ class GenerationRequest:
     priority: Priority = Priority.NORMAL
     session_id: str | None = None
     skip_special_tokens: bool = True
+    principal: str = ""  # who asked (authenticated caller); owns the sessions it creates
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+from pathlib import Path
 
 import grpc
 import structlog
@@ -46,7 +47,9 @@ class GenAIServer:
         self.engine = EngineProcess(
             config.engine, config.log_format, on_state=self._on_engine_state
         )
-        self.frontend = Frontend(self.engine, self.tokenizer, config.max_input_chars)
+        self.frontend = Frontend(
+            self.engine, self.tokenizer, config.max_input_chars, config.auth_tokens
+        )
         options = [
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -69,7 +72,19 @@ class GenAIServer:
             ),
             self.server,
         )
-        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        address = f"{config.host}:{config.port}"
+        if config.tls_cert_file and config.tls_key_file:
+            client_ca = (
+                Path(config.tls_client_ca_file).read_bytes() if config.tls_client_ca_file else None
+            )
+            credentials = grpc.ssl_server_credentials(
+                [(Path(config.tls_key_file).read_bytes(), Path(config.tls_cert_file).read_bytes())],
+                root_certificates=client_ca,
+                require_client_auth=client_ca is not None,
+            )
+            self.port = self.server.add_secure_port(address, credentials)
+        else:
+            self.port = self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot bind {config.host}:{config.port}")
         self._stopped = asyncio.Event()

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import dataclasses
 import functools
+import hmac
 import inspect
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -27,18 +30,28 @@ from .._proto.genai.v1 import (
 )
 from ..engine.request import RequestOutput
 from ..engine.tokenizer import Tokenizer
-from ..errors import GenAIError, InvalidArgument, Unavailable
+from ..errors import GenAIError, InvalidArgument, Unauthenticated, Unavailable
 from . import convert
 from .engine_process import EngineProcess
 
 log = structlog.get_logger(__name__)
 
+# The authenticated caller of the RPC being served (set by ``rpc``; per task).
+_principal: contextvars.ContextVar[str] = contextvars.ContextVar("principal", default="")
+
 
 class Frontend:
     """What every servicer shares: the engine handle, the tokenizer, limits, draining."""
 
-    def __init__(self, engine: EngineProcess, tokenizer: Tokenizer, max_input_chars: int) -> None:
+    def __init__(
+        self,
+        engine: EngineProcess,
+        tokenizer: Tokenizer,
+        max_input_chars: int,
+        auth_tokens: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         self.engine = engine
+        self.auth_tokens = auth_tokens
         self.tokenizer = tokenizer
         self.max_input_chars = max_input_chars
         self.draining = False
@@ -67,6 +80,18 @@ class Frontend:
             return False
         return True
 
+    def authenticate(self, context: grpc.aio.ServicerContext) -> str:
+        """The principal behind ``authorization: Bearer <token>`` ("" when auth is off)."""
+        if not self.auth_tokens:
+            return ""
+        header = dict(context.invocation_metadata() or ()).get("authorization", "")
+        scheme, _, token = str(header).partition(" ")
+        if scheme.lower() == "bearer" and token:
+            for known, principal in self.auth_tokens:
+                if hmac.compare_digest(known.encode(), token.encode()):
+                    return principal
+        raise Unauthenticated("authorization: a valid 'Bearer <token>' is required")
+
     def check_serving(self) -> None:
         if self.draining:
             raise Unavailable("the server is shutting down; retry on another replica")
@@ -75,9 +100,11 @@ class Frontend:
         session = None
         if request.session_id:
             # NOT_FOUND for an unknown session comes from here, before any work.
-            session = await self.engine.call("get_session", request.session_id)
+            session = await self.engine.call("get_session", request.session_id, _principal.get())
         ids, _ = convert.prompt_token_ids(request, self.tokenizer, self.max_input_chars, session)
-        return convert.generation_request(request, ids)
+        return dataclasses.replace(
+            convert.generation_request(request, ids), principal=_principal.get()
+        )
 
     async def outputs(self, request: Any) -> AsyncIterator[RequestOutput]:
         with self.tracking():
@@ -114,6 +141,7 @@ def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
         async def stream_wrapper(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
             bind(request)
             try:
+                _principal.set(self.fe.authenticate(context))
                 self.fe.check_serving()
                 async for item in fn(self, request, context):
                     yield item
@@ -128,6 +156,7 @@ def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
     async def unary_wrapper(self: Any, request: Any, context: Any) -> Any:
         bind(request)
         try:
+            _principal.set(self.fe.authenticate(context))
             self.fe.check_serving()
             return await fn(self, request, context)
         except grpc.aio.AbortError:
@@ -170,6 +199,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         ``error`` event for its ``request_id``, never as the stream's status."""
         structlog.contextvars.clear_contextvars()
         structlog.contextvars.bind_contextvars(rpc="GenerateBidi")
+        try:
+            _principal.set(self.fe.authenticate(context))
+        except GenAIError as exc:
+            await context.abort(status_code(exc), exc.message)
         if self.fe.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         events: asyncio.Queue[generate_pb2.BidiResponse | None] = asyncio.Queue()
@@ -259,35 +292,37 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
                     "idle_ttl_seconds: 0 is out of range; allowed [1, 4294967295]"
                 )
             ttl = float(request.idle_ttl_seconds)
-        info = await self.fe.engine.call("create_session", ttl, "", dict(request.metadata))
+        info = await self.fe.engine.call(
+            "create_session", ttl, _principal.get(), dict(request.metadata)
+        )
         return session_pb2.CreateSessionResponse(session=convert.session(info))
 
     @rpc
     async def GetSession(
         self, request: session_pb2.GetSessionRequest, context: grpc.aio.ServicerContext
     ) -> session_pb2.GetSessionResponse:
-        info = await self.fe.engine.call("get_session", request.session_id)
+        info = await self.fe.engine.call("get_session", request.session_id, _principal.get())
         return session_pb2.GetSessionResponse(session=convert.session(info))
 
     @rpc
     async def ResetSession(
         self, request: session_pb2.ResetSessionRequest, context: grpc.aio.ServicerContext
     ) -> session_pb2.ResetSessionResponse:
-        info = await self.fe.engine.call("reset_session", request.session_id)
+        info = await self.fe.engine.call("reset_session", request.session_id, _principal.get())
         return session_pb2.ResetSessionResponse(session=convert.session(info))
 
     @rpc
     async def CloseSession(
         self, request: session_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> session_pb2.CloseSessionResponse:
-        await self.fe.engine.call("close_session", request.session_id)
+        await self.fe.engine.call("close_session", request.session_id, _principal.get())
         return session_pb2.CloseSessionResponse()
 
     @rpc
     async def ListSessions(
         self, request: session_pb2.ListSessionsRequest, context: grpc.aio.ServicerContext
     ) -> session_pb2.ListSessionsResponse:
-        infos = await self.fe.engine.call("list_sessions")
+        infos = await self.fe.engine.call("list_sessions", _principal.get())
         return session_pb2.ListSessionsResponse(sessions=[convert.session(i) for i in infos])
 
 

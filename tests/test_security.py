@@ -1,0 +1,158 @@
+"""Bearer tokens, session ownership and TLS/mTLS on the control plane (DESIGN §6)."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from genai_client import (
+    Client,
+    NotFoundError,
+    PermissionDeniedError,
+    UnauthenticatedError,
+    UnavailableError,
+)
+from genai_service.config import EngineConfig, ServerConfig
+from tests.server_harness import ServerThread, free_port
+
+pytestmark = pytest.mark.e2e
+
+
+def openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate."""
+    d = tmp_path_factory.mktemp("pki")
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=test-ca",
+        cwd=d,
+    )
+    for name, ext in (
+        ("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
+        ("client", "extendedKeyUsage=clientAuth"),
+    ):
+        openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN={name}",
+            cwd=d,
+        )
+        (d / f"{name}.ext").write_text(ext + "\n")
+        openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "1",
+            "-extfile",
+            f"{name}.ext",
+            cwd=d,
+        )
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, pki: Path) -> Iterator[ServerThread]:
+    config = ServerConfig(
+        engine=EngineConfig(model_dir=str(tiny_model_dir)),
+        port=free_port(),
+        auth_tokens=(("alice-token", "alice"), ("bob-token", "bob")),
+        tls_cert_file=str(pki / "server.pem"),
+        tls_key_file=str(pki / "server.key"),
+        tls_client_ca_file=str(pki / "ca.pem"),
+    )
+    srv = ServerThread(config).start()
+    yield srv
+    srv.stop()
+
+
+def client(
+    server: ServerThread, pki: Path, token: str | None, *, client_cert: bool = True
+) -> Client:
+    return Client(
+        server.target,
+        tls=True,
+        root_certificates=(pki / "ca.pem").read_bytes(),
+        private_key=(pki / "client.key").read_bytes() if client_cert else None,
+        certificate_chain=(pki / "client.pem").read_bytes() if client_cert else None,
+        token=token,
+    )
+
+
+def test_tokens_are_required_and_checked(server: ServerThread, pki: Path) -> None:
+    for token in (None, "wrong"):
+        with client(server, pki, token) as c, pytest.raises(UnauthenticatedError, match="Bearer"):
+            c.generate("hello", max_new_tokens=2)
+        with client(server, pki, token) as c, pytest.raises(UnauthenticatedError):
+            list(c.stream("hello", max_new_tokens=2))
+    with client(server, pki, "alice-token") as c:
+        assert len(c.generate("hello", max_new_tokens=2, ignore_eos=True).token_ids) == 2
+    # health stays open to probes (over the same mTLS channel, without a token)
+    creds = grpc.ssl_channel_credentials(
+        (pki / "ca.pem").read_bytes(),
+        (pki / "client.key").read_bytes(),
+        (pki / "client.pem").read_bytes(),
+    )
+    with grpc.secure_channel(server.target, creds) as ch:
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest()).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_sessions_belong_to_their_principal(server: ServerThread, pki: Path) -> None:
+    with client(server, pki, "alice-token") as alice, client(server, pki, "bob-token") as bob:
+        sid = alice.create_session().session_id
+        alice.generate("hello", session_id=sid, max_new_tokens=2)
+        with pytest.raises(PermissionDeniedError, match="another principal"):
+            bob.get_session(sid)
+        with pytest.raises(PermissionDeniedError):
+            bob.generate("hello", session_id=sid, max_new_tokens=2)
+        with pytest.raises(PermissionDeniedError):
+            bob.close_session(sid)
+        assert sid in {s.session_id for s in alice.list_sessions()}
+        assert sid not in {s.session_id for s in bob.list_sessions()}
+        with pytest.raises(NotFoundError):
+            bob.get_session("f" * 32)
+        alice.close_session(sid)
+
+
+def test_mtls_requires_a_client_certificate(server: ServerThread, pki: Path) -> None:
+    with (
+        client(server, pki, "alice-token", client_cert=False) as c,
+        pytest.raises(UnavailableError),
+    ):
+        c.generate("hello", max_new_tokens=2, timeout=5)
