@@ -48,6 +48,7 @@ test-fast: setup
 lint: setup
 	$(VENV)/bin/ruff check genai_service genai_client kvstore tests bench
 	$(VENV)/bin/ruff format --check genai_service genai_client kvstore tests bench
+	$(VENV)/bin/mypy genai_service
 	cd protos && ../$(VENV)/bin/buf lint
 
 # The main job: kvstore + server on the default model, one streamed sample

@@ -35,6 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--log-format", choices=("console", "json"), default="console")
     p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="P",
+        help="serve Prometheus metrics at http://HOST:P/metrics",
+    )
+    p.add_argument(
         "--grace-period",
         type=float,
         default=30.0,
@@ -135,6 +142,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             tokens.append((fields[1], fields[0]))
     return ServerConfig(
         auth_tokens=tuple(tokens),
+        metrics_port=args.metrics_port,
         tls_cert_file=args.tls_cert,
         tls_key_file=args.tls_key,
         tls_client_ca_file=args.tls_client_ca,

@@ -147,6 +147,7 @@ class ServerConfig:
     max_message_bytes: int = 16 * 1024 * 1024  # gRPC receive/send limit per message
     max_input_chars: int = 1_000_000  # text / messages size limit before tokenizing
     engine_start_timeout_s: float = 900.0  # covers first-run conversion of the default model
+    metrics_port: int | None = None  # Prometheus /metrics on this port (0: any free); None: off
     # Bearer tokens accepted on the control plane, as (token, principal); empty: no auth.
     auth_tokens: tuple[tuple[str, str], ...] = ()
     tls_cert_file: str | None = None  # PEM; with tls_key_file, serve TLS
@@ -163,6 +164,8 @@ class ServerConfig:
         _positive("max_message_bytes", self.max_message_bytes)
         _positive("max_input_chars", self.max_input_chars)
         _positive("engine_start_timeout_s", self.engine_start_timeout_s)
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file go together")
         if self.tls_client_ca_file and not self.tls_cert_file:

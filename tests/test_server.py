@@ -563,3 +563,35 @@ def test_client_library_against_the_server(server: ServerThread) -> None:
             client.get_session(s.id)
         with pytest.raises(InvalidArgumentError, match="sampling.top_k"):
             client.generate("hello", top_k=10**6)
+
+
+def test_prometheus_metrics(long_context_model_dir: Path) -> None:
+    import urllib.request
+
+    srv = ServerThread(
+        ServerConfig(engine=engine_config(long_context_model_dir), port=free_port(), metrics_port=0)
+    ).start()
+    try:
+        with srv.channel() as ch:
+            stub = generate_pb2_grpc.GenerateServiceStub(ch)
+            stub.Generate(gen_request("the cat", 5))
+            with pytest.raises(grpc.RpcError):
+                stub.Generate(
+                    gen_request("the cat", 5, sampling=generate_pb2.SamplingParams(top_k=10**6))
+                )
+        assert srv.server is not None and srv.server.metrics_port
+        url = f"http://127.0.0.1:{srv.server.metrics_port}/metrics"
+        deadline = time.monotonic() + 10
+        while True:
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+            if "genai_engine_requests_finished" in text or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert 'genai_rpc_requests_total{code="OK",rpc="Generate"} 1.0' in text
+        assert 'genai_rpc_requests_total{code="INVALID_ARGUMENT",rpc="Generate"} 1.0' in text
+        assert "genai_completion_tokens_total 5.0" in text
+        assert "genai_time_to_first_token_seconds_count 1.0" in text
+        assert "genai_engine_ready 1.0" in text
+        assert "genai_engine_requests_finished" in text
+    finally:
+        srv.stop()

@@ -25,6 +25,7 @@ from ..config import ServerConfig
 from ..engine.model_dir import load_model_spec
 from ..engine.tokenizer import Tokenizer
 from .engine_process import EngineProcess
+from .metrics import Metrics
 from .servicers import Frontend, GenerateServicer, ModelServicer, SessionServicer
 
 log = structlog.get_logger(__name__)
@@ -47,8 +48,10 @@ class GenAIServer:
         self.engine = EngineProcess(
             config.engine, config.log_format, on_state=self._on_engine_state
         )
+        self.metrics = Metrics()
+        self.metrics_port: int | None = None
         self.frontend = Frontend(
-            self.engine, self.tokenizer, config.max_input_chars, config.auth_tokens
+            self.engine, self.tokenizer, config.max_input_chars, config.auth_tokens, self.metrics
         )
         options = [
             ("grpc.max_send_message_length", config.max_message_bytes),
@@ -88,8 +91,12 @@ class GenAIServer:
         if self.port == 0:
             raise OSError(f"cannot bind {config.host}:{config.port}")
         self._stopped = asyncio.Event()
+        self._poller: asyncio.Task[None] | None = None
 
     def _on_engine_state(self, serving: bool) -> None:
+        self.metrics.engine_up.set(1 if serving else 0)
+        if not serving and not self.frontend.draining:
+            self.metrics.engine_restarts.inc()
         if self.frontend.draining:
             return
         status = (
@@ -109,7 +116,19 @@ class GenAIServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
         log.info("listening", host=self.config.host, port=self.port)
+        if self.config.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
+            log.info("metrics", port=self.metrics_port, path="/metrics")
         await self.engine.start(self.config.engine_start_timeout_s)
+        self._poller = asyncio.create_task(self._poll_engine_stats())
+
+    async def _poll_engine_stats(self, interval_s: float = 2.0) -> None:
+        """Keep the engine's counters fresh for /metrics (one small IPC call)."""
+        while not self.frontend.draining:
+            if self.engine.ready:
+                with contextlib.suppress(Exception):
+                    self.metrics.engine.snapshot = await self.engine.call("stats")
+            await asyncio.sleep(interval_s)
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drain: NOT_SERVING, refuse new RPCs, let in-flight ones finish, then stop."""
@@ -117,6 +136,8 @@ class GenAIServer:
             return
         grace = self.config.grace_period_s if grace_s is None else grace_s
         self.frontend.draining = True
+        if self._poller is not None:
+            self._poller.cancel()
         await self.health.enter_graceful_shutdown()
         log.info("draining", grace_s=grace, inflight=self.frontend.inflight)
         # Keep answering (health NOT_SERVING, new RPCs UNAVAILABLE) while

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import hmac
 import inspect
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -33,6 +34,7 @@ from ..engine.tokenizer import Tokenizer
 from ..errors import GenAIError, InvalidArgument, Unauthenticated, Unavailable
 from . import convert
 from .engine_process import EngineProcess
+from .metrics import Metrics
 
 log = structlog.get_logger(__name__)
 
@@ -49,8 +51,10 @@ class Frontend:
         tokenizer: Tokenizer,
         max_input_chars: int,
         auth_tokens: tuple[tuple[str, str], ...] = (),
+        metrics: Metrics | None = None,
     ) -> None:
         self.engine = engine
+        self.metrics = metrics or Metrics()
         self.auth_tokens = auth_tokens
         self.tokenizer = tokenizer
         self.max_input_chars = max_input_chars
@@ -107,9 +111,19 @@ class Frontend:
         )
 
     async def outputs(self, request: Any) -> AsyncIterator[RequestOutput]:
-        with self.tracking():
+        m = self.metrics
+        started = time.monotonic()
+        first = True
+        with self.tracking(), m.inflight.track_inprogress():
             async with contextlib.aclosing(self.engine.generate(request)) as stream:
                 async for out in stream:
+                    if first and out.token_ids:
+                        m.ttft.observe(time.monotonic() - started)
+                        first = False
+                    if out.finished and out.usage is not None:
+                        m.prompt_tokens.inc(out.usage.prompt_tokens)
+                        m.cached_tokens.inc(out.usage.cached_tokens)
+                        m.completion_tokens.inc(out.usage.completion_tokens)
                     yield out
 
 
@@ -140,29 +154,40 @@ def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         async def stream_wrapper(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
             bind(request)
+            started, code = time.monotonic(), "CANCELLED"
             try:
                 _principal.set(self.fe.authenticate(context))
                 self.fe.check_serving()
                 async for item in fn(self, request, context):
                     yield item
+                code = "OK"
             except (GenAIError, Exception) as exc:
                 if isinstance(exc, grpc.aio.AbortError):
                     raise
+                code = exc.code if isinstance(exc, GenAIError) else "INTERNAL"
                 await fail(exc, context)
+            finally:
+                self.fe.metrics.observe_rpc(name, code, started)
 
         return stream_wrapper
 
     @functools.wraps(fn)
     async def unary_wrapper(self: Any, request: Any, context: Any) -> Any:
         bind(request)
+        started, code = time.monotonic(), "CANCELLED"
         try:
             _principal.set(self.fe.authenticate(context))
             self.fe.check_serving()
-            return await fn(self, request, context)
+            result = await fn(self, request, context)
+            code = "OK"
+            return result
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
+            code = exc.code if isinstance(exc, GenAIError) else "INTERNAL"
             await fail(exc, context)
+        finally:
+            self.fe.metrics.observe_rpc(name, code, started)
 
     return unary_wrapper
 
@@ -268,9 +293,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     yield event
                 elif reader.done() and not tasks and events.empty():
                     break
-            exc = reader.exception()
-            if exc is not None and not isinstance(exc, asyncio.CancelledError):
-                raise exc
+            failure = reader.exception()
+            if failure is not None and not isinstance(failure, asyncio.CancelledError):
+                raise failure
         finally:
             reader.cancel()
             for task in list(tasks.values()):
