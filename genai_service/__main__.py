@@ -65,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefix-cache-bytes", type=int, default=512 * 1024 * 1024)
     g.add_argument("--max-sessions", type=int, default=64)
     g.add_argument("--session-ttl", type=float, default=900.0, metavar="S")
+    g.add_argument(
+        "--session-kv-bytes",
+        type=int,
+        default=2 * 1024**3,
+        help="host memory for parked sessions' KV (LRU beyond it is recomputed)",
+    )
     g.add_argument("--default-max-new-tokens", type=int, default=256)
     g.add_argument("--max-new-tokens-limit", type=int, default=4096)
     a = p.add_argument_group("security")
@@ -113,7 +119,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         cache=CacheConfig(
             chunk_size=args.kv_chunk_size, prefix_cache_bytes=args.prefix_cache_bytes
         ),
-        sessions=SessionConfig(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl),
+        sessions=SessionConfig(
+            max_sessions=args.max_sessions,
+            idle_ttl_s=args.session_ttl,
+            max_parked_kv_bytes=args.session_kv_bytes,
+        ),
         limits=LimitsConfig(
             default_max_new_tokens=args.default_max_new_tokens,
             max_new_tokens_limit=args.max_new_tokens_limit,
@@ -123,7 +133,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             KvStoreConfig(
                 args.kvstore,
                 timeout_s=args.kvstore_timeout,
-                auth_token=os.environ.get("GENAI_KVSTORE_TOKEN") or None,
+                auth_token=os.environ.get("GENAI_KVSTORE_AUTH_TOKEN") or None,
             )
             if args.kvstore
             else None

@@ -61,10 +61,16 @@ class CacheConfig:
 class SessionConfig:
     max_sessions: int = 64
     idle_ttl_s: float = 900.0
+    # Host memory for the KV of sessions parked between turns; past it the least
+    # recently used parked KV is dropped (that session's next turn recomputes
+    # its history, or fetches it from the kvstore).
+    max_parked_kv_bytes: int = 2 * 1024**3
 
     def __post_init__(self) -> None:
         _positive("max_sessions", self.max_sessions)
         _positive("idle_ttl_s", self.idle_ttl_s)
+        if self.max_parked_kv_bytes < 0:
+            raise ValueError(f"max_parked_kv_bytes must be >= 0, got {self.max_parked_kv_bytes}")
 
 
 @dataclass(frozen=True)

@@ -352,3 +352,28 @@ def test_session_idle_ttl(tiny_model_dir: Path) -> None:
     time.sleep(0.1)
     with pytest.raises(NotFound):
         engine.get_session(sid)
+
+
+def test_parked_session_kv_beyond_the_budget_is_dropped_and_recomputed(
+    tiny_model_dir: Path,
+) -> None:
+    from genai_service.config import SessionConfig
+
+    eng = LLMEngine(
+        EngineConfig(
+            model_dir=str(tiny_model_dir),
+            cache=CacheConfig(chunk_size=4, prefix_cache_bytes=0),
+            sessions=SessionConfig(max_parked_kv_bytes=1),  # no parked KV survives
+        )
+    )
+    sid = eng.create_session().session_id
+    t1 = encode_words("hello , who are you ?")
+    r1 = eng.generate(dataclasses.replace(greedy("p1", t1, 5), session_id=sid))
+    while eng.has_unfinished():
+        eng.step()  # the commit step parks the history's KV, then the budget drops it
+    assert eng.sessions.get(sid).kv is None and eng.counters["session_kv_evicted"] == 1
+    t2 = encode_words("what is the time ?")
+    r2 = eng.generate(dataclasses.replace(greedy("p2", t2, 5), session_id=sid))
+    history = t1 + list(r1.token_ids)
+    assert r2.usage.cached_tokens == 0  # recomputed, and still the same tokens
+    assert list(r2.token_ids) == reference_greedy(tiny_model_dir, history + t2, 5)

@@ -423,7 +423,7 @@ def test_server_args_parse_and_make_a_valid_config(
     # any directory stands in for it here), and the tokens are read from the
     # environment names the manifest sets.
     monkeypatch.setenv("GENAI_AUTH_TOKEN", "control-token")
-    monkeypatch.setenv("GENAI_KVSTORE_TOKEN", "data-token")
+    monkeypatch.setenv("GENAI_KVSTORE_AUTH_TOKEN", "data-token")
     if args.model == "default":
         args.model = str(tmp_path)
     config = config_from_args(args)
@@ -606,7 +606,7 @@ def _check_kvstore_tokens(kv_container: Obj, server_container: Obj) -> None:
     from kvstore.__main__ import AUTH_TOKEN_ENV
 
     kv_env = env_of(kv_container)[AUTH_TOKEN_ENV]["valueFrom"]["secretKeyRef"]
-    server_env = env_of(server_container)["GENAI_KVSTORE_TOKEN"]["valueFrom"]["secretKeyRef"]
+    server_env = env_of(server_container)["GENAI_KVSTORE_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
     # The server sends the very token the kvstore expects.
     assert (kv_env["name"], kv_env["key"]) == (server_env["name"], server_env["key"])
     auth_env = env_of(server_container)["GENAI_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]

@@ -189,7 +189,7 @@ def test_sessions_over_rpc(channel: grpc.Channel) -> None:
     t3 = stub.Generate(gen_request("hello", 2, session_id=sid))
     assert t3.usage.cached_tokens == 0 and t3.session_tokens == 3
     # a second turn while one runs
-    stream = stub.GenerateStream(gen_request("the cat", 60, session_id=sid))
+    stream = stub.GenerateStream(gen_request("the cat", 3000, session_id=sid))
     next(stream)
     code, msg = code_of(stub.Generate, gen_request("the dog", 2, session_id=sid))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "already running a turn" in msg
@@ -366,9 +366,13 @@ def test_graceful_shutdown_lets_streams_finish(long_context_model_dir: Path) -> 
 
         stopping = asyncio.run_coroutine_threadsafe(srv.server.stop(10), srv.loop)
         time.sleep(0.2)
-        status = health.Check(health_pb2.HealthCheckRequest()).status
-        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
-        code, _ = code_of(stub.Generate, gen_request("hello", 2))
+        # draining: GOAWAY, so probes and new RPCs fail over (or see NOT_SERVING)
+        try:
+            status = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.UNAVAILABLE
+        code, _ = code_of(stub.Generate, gen_request("hello", 2), timeout=5)
         assert code == grpc.StatusCode.UNAVAILABLE
         rest = list(stream)
         assert rest[-1].final.finish_reason == common_pb2.FINISH_REASON_MAX_TOKENS
@@ -587,11 +591,40 @@ def test_prometheus_metrics(long_context_model_dir: Path) -> None:
             if "genai_engine_requests_finished" in text or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        assert 'genai_rpc_requests_total{code="OK",rpc="Generate"} 1.0' in text
-        assert 'genai_rpc_requests_total{code="INVALID_ARGUMENT",rpc="Generate"} 1.0' in text
+        lines = [line for line in text.splitlines() if line.startswith("genai_rpc_requests_total")]
+        assert 'genai_rpc_requests_total{code="OK",rpc="Generate"} 1.0' in lines, lines
+        assert 'genai_rpc_requests_total{code="INVALID_ARGUMENT",rpc="Generate"} 1.0' in lines, (
+            lines
+        )
         assert "genai_completion_tokens_total 5.0" in text
         assert "genai_time_to_first_token_seconds_count 1.0" in text
         assert "genai_engine_ready 1.0" in text
         assert "genai_engine_requests_finished" in text
+    finally:
+        srv.stop()
+
+
+def test_engine_that_keeps_failing_to_start_is_fatal(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Backoff between restarts, then give up so the process exits non-zero."""
+    import shutil
+
+    from genai_service.server import engine_process
+
+    monkeypatch.setattr(engine_process, "RESTART_BACKOFF_S", 0.01)
+    monkeypatch.setattr(engine_process, "MAX_START_FAILURES", 2)
+    model = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
+    srv = ServerThread(ServerConfig(engine=engine_config(model), port=free_port())).start()
+    try:
+        assert srv.server is not None
+        (model / "model.onnx").write_bytes(b"not an onnx graph")  # the next start fails
+        srv.server.engine.kill()
+        deadline = time.monotonic() + 60
+        while not srv.server.fatal.done() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert srv.server.fatal.done()
+        assert "failed to start 2 times" in srv.server.fatal.result()
+        assert srv.server.engine.restarts == 2
     finally:
         srv.stop()

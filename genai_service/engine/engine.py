@@ -26,6 +26,7 @@ from .kv_connector import KvChunkStore
 from .kv_reuse import KvReuse
 from .model_dir import ModelSpec, load_model_spec
 from .model_runner import ModelRunner, StepItem, create_runner
+from .prefix_cache import kv_nbytes
 from .request import (
     FinishReason,
     GenerationRequest,
@@ -500,6 +501,19 @@ class LLMEngine:
             session.kv, session.kv_len = self.runner.read_kv(seq.seq_id, 0, n), n
         session.committing = False
         self._retire(seq)
+        self._enforce_parked_budget()
+
+    def _enforce_parked_budget(self) -> None:
+        """Drop the least recently used parked session KV beyond the memory budget."""
+        budget = self.config.sessions.max_parked_kv_bytes
+        parked = [s for s in self.sessions.list() if s.kv is not None]
+        total = sum(kv_nbytes(s.kv) for s in parked)
+        for session in sorted(parked, key=lambda s: s.last_used_at):
+            if total <= budget:
+                break
+            total -= kv_nbytes(session.kv)
+            session.kv, session.kv_len = None, 0
+            self.counters["session_kv_evicted"] += 1
 
     def _drop_session_kv(self, session: Session) -> None:
         session.kv, session.kv_len = None, 0

@@ -45,8 +45,12 @@ class GenAIServer:
         spec = load_model_spec(config.engine.model_dir)
         self.tokenizer = Tokenizer.from_dir(spec.path, spec)
         self.health = HealthServicer()
+        self.fatal: asyncio.Future[str] = asyncio.get_event_loop().create_future()
         self.engine = EngineProcess(
-            config.engine, config.log_format, on_state=self._on_engine_state
+            config.engine,
+            config.log_format,
+            on_state=self._on_engine_state,
+            on_fatal=self._on_engine_fatal,
         )
         self.metrics = Metrics()
         self.metrics_port: int | None = None
@@ -92,6 +96,10 @@ class GenAIServer:
             raise OSError(f"cannot bind {config.host}:{config.port}")
         self._stopped = asyncio.Event()
         self._poller: asyncio.Task[None] | None = None
+
+    def _on_engine_fatal(self, reason: str) -> None:
+        if not self.fatal.done():
+            self.fatal.set_result(reason)
 
     def _on_engine_state(self, serving: bool) -> None:
         self.metrics.engine_up.set(1 if serving else 0)
@@ -140,11 +148,13 @@ class GenAIServer:
             self._poller.cancel()
         await self.health.enter_graceful_shutdown()
         log.info("draining", grace_s=grace, inflight=self.frontend.inflight)
-        # Keep answering (health NOT_SERVING, new RPCs UNAVAILABLE) while
-        # in-flight streams finish, so load balancers see the drain.
-        if not await self.frontend.wait_idle(grace):
+        # gRPC's stop sends GOAWAY (clients reconnect elsewhere), refuses new
+        # RPCs with UNAVAILABLE and lets in-flight ones run for the grace
+        # period; those still running then are cancelled (their engine
+        # requests aborted).
+        await self.server.stop(grace)
+        if self.frontend.inflight:
             log.warning("grace_period_expired", inflight=self.frontend.inflight)
-        await self.server.stop(0)
         await self.engine.stop()
         self._stopped.set()
         log.info("stopped")
@@ -161,14 +171,22 @@ async def serve(config: ServerConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     start = asyncio.create_task(server.start())
-    await asyncio.wait(
-        {start, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
-    )
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({start, stopped}, return_when=asyncio.FIRST_COMPLETED)
     if start.done() and start.exception() is not None:
         await server.stop(0)
         raise start.exception()  # type: ignore[misc]
-    await stop.wait()
+    fatal = asyncio.create_task(_wait_fatal(server))
+    await asyncio.wait({stopped, fatal}, return_when=asyncio.FIRST_COMPLETED)
     start.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await start
+    if server.fatal.done():
+        await server.stop(0)
+        raise RuntimeError(server.fatal.result())
     await server.stop()
+
+
+async def _wait_fatal(server: GenAIServer) -> bool:
+    await server.fatal
+    return True

@@ -46,6 +46,9 @@ CALLABLE = frozenset(
     }
 )
 IDLE_POLL_S = 0.05
+MAX_START_FAILURES = 5  # then the server exits non-zero (Kubernetes: CrashLoopBackOff)
+RESTART_BACKOFF_S = 0.5
+RESTART_BACKOFF_MAX_S = 30.0
 WAIT_POLL_S = 0.002
 
 
@@ -153,11 +156,14 @@ class EngineProcess:
         config: EngineConfig,
         log_format: str = "console",
         on_state: Callable[[bool], None] | None = None,
+        on_fatal: Callable[[str], None] | None = None,
         restart: bool = True,
     ) -> None:
         self.config = config
         self.log_format = log_format
         self._on_state = on_state or (lambda serving: None)
+        self._on_fatal = on_fatal or (lambda reason: None)
+        self._start_failures = 0  # consecutive engine starts that died before ready
         self._restart = restart
         self._ctx = mp.get_context("spawn")
         self._proc: Any = None
@@ -201,6 +207,9 @@ class EngineProcess:
         child.close()
         self._proc, self._conn = proc, parent
         self._ready = self._loop.create_future()
+        # Nobody may be waiting (a restart): read the error so asyncio does not
+        # report it as never retrieved.
+        self._ready.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._loop.add_reader(parent.fileno(), self._on_readable)
         self._loop.add_reader(proc.sentinel, self._on_exit)
         log.info("engine_process_started", pid=proc.pid)
@@ -239,6 +248,7 @@ class EngineProcess:
             self.info = msg[1]
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(msg[1])
+            self._start_failures = 0
             self._on_state(True)
         elif kind == "fatal":
             log.error("engine_fatal", message=msg[1])
@@ -267,13 +277,29 @@ class EngineProcess:
             if not future.done():
                 future.set_exception(error)
         self._calls.clear()
+        started = self._ready is not None and self._ready.done() and not self._ready.exception()
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(error)
         if self._closing or not self._restart:
             return
-        log.error("engine_process_died", exitcode=code, restarting=True)
+        self._start_failures = 0 if started else self._start_failures + 1
+        if self._start_failures >= MAX_START_FAILURES:
+            reason = f"the engine failed to start {self._start_failures} times in a row"
+            log.error("engine_gave_up", exitcode=code, reason=reason)
+            self._on_fatal(reason)
+            return
+        # Back off when it keeps dying before it is ready (bad model, OOM at load).
+        delay = min(
+            RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** max(0, self._start_failures - 1)
+        )
+        delay = delay if self._start_failures else 0.0
+        log.error("engine_process_died", exitcode=code, restarting_in_s=delay)
         self.restarts += 1
-        self._spawn()
+        self._loop.call_later(delay, self._respawn)
+
+    def _respawn(self) -> None:
+        if not self._closing and self._conn is None:
+            self._spawn()
 
     def _send(self, msg: tuple[Any, ...]) -> None:
         if self._conn is None or not self.ready:

@@ -165,9 +165,14 @@ def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
                 if isinstance(exc, grpc.aio.AbortError):
                     raise
                 code = exc.code if isinstance(exc, GenAIError) else "INTERNAL"
+                # Counted before the status goes out, so a client never sees
+                # its error before /metrics does.
+                self.fe.metrics.observe_rpc(name, code, started)
+                code = ""
                 await fail(exc, context)
             finally:
-                self.fe.metrics.observe_rpc(name, code, started)
+                if code:
+                    self.fe.metrics.observe_rpc(name, code, started)
 
         return stream_wrapper
 
@@ -185,9 +190,12 @@ def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise
         except Exception as exc:
             code = exc.code if isinstance(exc, GenAIError) else "INTERNAL"
+            self.fe.metrics.observe_rpc(name, code, started)  # before the client sees it
+            code = ""
             await fail(exc, context)
         finally:
-            self.fe.metrics.observe_rpc(name, code, started)
+            if code:
+                self.fe.metrics.observe_rpc(name, code, started)
 
     return unary_wrapper
 
