@@ -55,6 +55,7 @@ from .validation import resolve_max_new_tokens, validate_request
 
 log = structlog.get_logger(__name__)
 
+STORE_CHUNKS_PER_STEP = 2  # prefix chunks copied out per step (see _store_some)
 DEFAULT_CONTEXT_LENGTH = 2048  # when neither the graph nor a config says
 DETOKENIZER_CONTEXT = 8  # prompt tokens given to the detokenizer as left context
 _SAMPLING_DEFAULT_FIELDS = ("top_k", "top_p", "min_p", "repetition_penalty")
@@ -119,6 +120,7 @@ class LLMEngine:
         # Final outputs of session turns waiting for their record to land in
         # the kvstore: (record key, give-up time, output).
         self._held: list[tuple[bytes, float, RequestOutput]] = []
+        self._to_store: list[Sequence] = []  # prompts whose chunks are being shared
         self.last_step_idle = False  # the last step computed nothing (waiting on I/O)
 
     # -- public API ------------------------------------------------------------
@@ -189,6 +191,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         outputs.extend(self._release_held())
+        self._store_some()
         self._expire()
         batch = self.scheduler.schedule()
         self.last_step_idle = not batch
@@ -320,10 +323,18 @@ class LLMEngine:
             elif seq.num_pending == 0:
                 to_sample.append(i)
                 if not seq.output_ids:
-                    self.kv_reuse.store(seq)  # prompt done: share its chunks right away
+                    # Prompt done: share its chunks soon, but after this step's
+                    # first token is out (copying them takes a while).
+                    self._to_store.append(seq)
         if not to_sample:
             return []
         seqs = [items[i][0] for i in to_sample]
+        if all(self._plain_greedy(seq) for seq in seqs):
+            # The common case needs no sampler set-up: a row-wise argmax.
+            tokens = np.argmax(logits[to_sample], axis=1)
+            return [
+                self._append_token(seq, int(t), None) for seq, t in zip(seqs, tokens, strict=True)
+            ]
         rows = [self._sampling_row(seq) for seq in seqs]
         sampled = sampling.sample(logits[to_sample], sampling.prepare(rows))
         outputs = []
@@ -338,6 +349,19 @@ class LLMEngine:
                 )
             outputs.append(self._append_token(seq, int(sampled.token_ids[j]), lp))
         return outputs
+
+    @staticmethod
+    def _plain_greedy(seq: Sequence) -> bool:
+        """Greedy with nothing that changes the logits and no logprobs wanted."""
+        p = seq.request.sampling
+        return (
+            p.greedy
+            and seq.request.top_logprobs == 0
+            and len(seq.output_ids) >= seq.request.stopping.min_new_tokens
+            and p.repetition_penalty in (None, 1.0)
+            and not p.frequency_penalty
+            and not p.presence_penalty
+        )
 
     def _sampling_row(self, seq: Sequence) -> sampling.SamplingRow:
         banned: tuple[int, ...] = ()
@@ -479,6 +503,18 @@ class LLMEngine:
         if emit:
             self._pending.append(out)
         return out
+
+    def _store_some(self) -> None:
+        """Copy a few chunks of finished prompts into the prefix index / kvstore
+        per step, so a long prompt's store never stalls running streams much."""
+        budget = STORE_CHUNKS_PER_STEP
+        while self._to_store and budget > 0:
+            seq = self._to_store[0]
+            if seq.status is SeqStatus.RUNNING:
+                budget -= self.kv_reuse.store(seq, max_chunks=budget)
+                if seq.stored_chunks < self.runner.kv_len(seq.seq_id) // self.chunk_size:
+                    break
+            self._to_store.pop(0)
 
     def _retire(self, seq: Sequence) -> None:
         if seq.status is SeqStatus.RUNNING or seq.status is SeqStatus.COMMITTING:

@@ -124,27 +124,33 @@ class KvReuse:
                 self.counters["prefix_cached_tokens"] += seq.num_cached
         return True
 
-    def store(self, seq: Sequence) -> None:
-        """Put the sequence's complete, not yet stored chunks into the prefix index
-        and push them to the kvstore."""
+    def store(self, seq: Sequence, max_chunks: int | None = None) -> int:
+        """Put the sequence's complete, not yet stored chunks (at most
+        ``max_chunks``) into the prefix index and push them to the kvstore;
+        returns how many were copied."""
         if not self.prefix_index.capacity_bytes and self.remote is None:
-            return
+            return 0
         n_chunks = self.runner.kv_len(seq.seq_id) // self.chunk_size
         if n_chunks <= seq.stored_chunks:
-            return
+            return 0
         keys = chunk_keys(
             self.namespace, seq.token_ids[: n_chunks * self.chunk_size], self.chunk_size
         )
+        copied = 0
         for i in range(seq.stored_chunks, n_chunks):
+            if max_chunks is not None and copied >= max_chunks:
+                break
+            seq.stored_chunks = i + 1
             if keys[i] in self.prefix_index:
                 continue  # stored (and pushed) when it was first computed
             start = i * self.chunk_size
-            layers = self.runner.read_kv(seq.seq_id, start, start + self.chunk_size)
+            layers = self.runner.read_kv(seq.seq_id, start, start + self.chunk_size)  # a copy
+            copied += 1
             if self.prefix_index.capacity_bytes:
-                self.prefix_index.put(keys[i], layers)  # copies
+                self.prefix_index.put(keys[i], layers, copy=False)
             if self.remote is not None:
-                self.remote.push(keys[i], layers)  # takes ownership
-        seq.stored_chunks = n_chunks
+                self.remote.push(keys[i], layers)  # only reads them
+        return copied
 
     # -- internals ---------------------------------------------------------------
 

@@ -16,6 +16,7 @@ prefill chunk; its logits are dropped.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 
 import numpy as np
@@ -43,14 +44,30 @@ class SharedBufferRunner(ModelRunner):
         self._dtype = np.dtype(kv.dtype)
         shape = (max_slots, kv.num_kv_heads, max_len, kv.head_dim)
         # [max_slots, kv_heads, max_len, head_dim] per layer, K then V.
-        self.k_buffers = [np.zeros(shape, self._dtype) for _ in range(kv.num_layers)]
-        self.v_buffers = [np.zeros(shape, self._dtype) for _ in range(kv.num_layers)]
+        self._maps: list[mmap.mmap] = []
+        self.k_buffers = [self._zeros(shape) for _ in range(kv.num_layers)]
+        self.v_buffers = [self._zeros(shape) for _ in range(kv.num_layers)]
         self._views: dict[tuple[int, int], list[ort.OrtValue]] = {}
         self._bindings: dict[tuple[int, int], ort.IOBinding] = {}
         self._slot: dict[int, int] = {}  # seq_id -> slot
         self._owner: list[int | None] = [None] * max_slots  # slot -> seq_id
         self._len: dict[int, int] = {}  # seq_id -> tokens of valid KV
         self.moves = 0  # slot compactions (KV copies), for tests and stats
+
+    def _zeros(self, shape: tuple[int, ...]) -> np.ndarray:
+        """A zeroed buffer whose pages become resident only when written.
+
+        Not ``np.zeros``: numpy asks for transparent huge pages on large
+        arrays, and one 2 MiB page spans a head's whole ``max_len`` row, so the
+        first token written to a slot would make every row of it resident
+        (~360 MB per slot for SmolLM2 at 8,192 positions).
+        """
+        nbytes = int(np.prod(shape)) * self._dtype.itemsize
+        buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):
+            buf.madvise(mmap.MADV_NOHUGEPAGE)
+        self._maps.append(buf)
+        return np.frombuffer(buf, self._dtype, count=int(np.prod(shape))).reshape(shape)
 
     # -- slots ----------------------------------------------------------------
 
