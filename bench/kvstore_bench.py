@@ -92,21 +92,17 @@ async def async_gets(target: str, keys: list[bytes], gets: int, concurrency: int
         return total / (time.perf_counter() - start) / 1e9
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=30)
-    parser.add_argument("--kv-heads", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--blobs", type=int, default=4, help="distinct blobs stored")
-    parser.add_argument("--gets", type=int, default=40, help="Gets per measurement")
-    parser.add_argument("--concurrency", type=int, default=4)
-    args = parser.parse_args()
-
-    blobs = [
-        chunk_blob(args.layers, args.kv_heads, args.tokens, args.head_dim, seed)
-        for seed in range(args.blobs)
-    ]
+def measure(
+    layers: int = 30,
+    kv_heads: int = 3,
+    tokens: int = 256,
+    head_dim: int = 64,
+    n_blobs: int = 4,
+    gets: int = 40,
+    concurrency: int = 4,
+) -> dict:
+    """Put/Get throughput in GB/s for chunk-sized blobs over loopback."""
+    blobs = [chunk_blob(layers, kv_heads, tokens, head_dim, seed) for seed in range(n_blobs)]
     keys = [checksum(blob) for blob in blobs]
     proc, port = start_server(memory_bytes=2 * sum(map(len, blobs)))
     target = f"127.0.0.1:{port}"
@@ -117,20 +113,41 @@ def main() -> int:
             for key, blob in zip(keys, blobs, strict=True):
                 client.put(key, blob)
             put_gbps = sum(map(len, blobs)) / (time.perf_counter() - start) / 1e9
-        result = {
+        return {
             "blob_bytes": len(blobs[0]),
-            "gets": args.gets,
+            "gets": gets,
             "cpu_count": os.cpu_count(),
             "put_gb_per_s": round(put_gbps, 3),
-            "get_gb_per_s_sync": round(sync_gets(target, keys, args.gets, True), 3),
-            "get_gb_per_s_sync_no_verify": round(sync_gets(target, keys, args.gets, False), 3),
-            f"get_gb_per_s_async_x{args.concurrency}": round(
-                asyncio.run(async_gets(target, keys, args.gets, args.concurrency)), 3
+            "get_gb_per_s_sync": round(sync_gets(target, keys, gets, True), 3),
+            "get_gb_per_s_sync_no_verify": round(sync_gets(target, keys, gets, False), 3),
+            f"get_gb_per_s_async_x{concurrency}": round(
+                asyncio.run(async_gets(target, keys, gets, concurrency)), 3
             ),
         }
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--blobs", type=int, default=4, help="distinct blobs stored")
+    parser.add_argument("--gets", type=int, default=40, help="Gets per measurement")
+    parser.add_argument("--concurrency", type=int, default=4)
+    args = parser.parse_args()
+    result = measure(
+        args.layers,
+        args.kv_heads,
+        args.tokens,
+        args.head_dim,
+        args.blobs,
+        args.gets,
+        args.concurrency,
+    )
     sys.stdout.write(json.dumps(result) + "\n")
     return 0
 

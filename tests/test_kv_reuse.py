@@ -114,8 +114,11 @@ def test_the_last_prompt_token_is_always_left_to_compute() -> None:
     runner = DictRunner()
     reuse = make_reuse(runner)
     computed(runner, reuse)
-    exact = make_seq(PROMPT[:8])  # two whole chunks: only the first may be reused
-    assert reuse.attach(exact) and exact.num_cached == 4
+    # two whole chunks: both are reused but for the last position, whose
+    # logits are needed, so exactly one token is left to compute
+    exact = make_seq(PROMPT[:8])
+    assert reuse.attach(exact) and exact.num_cached == 7 and exact.num_pending == 1
+    np.testing.assert_array_equal(runner.kv[exact.seq_id][0][0][0, :, 0], PROMPT[:7])
 
 
 def test_no_capacity_and_no_store_means_no_reuse() -> None:

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from ..config import EngineConfig
     from .model_dir import ModelSpec
     from .model_runner import ModelRunner
+    from .prefix_cache import KvLayers
     from .sequence import Sequence
 
 
@@ -118,10 +119,9 @@ class KvReuse:
             keys = self._prompt_keys(seq)
             hits = self.prefix_index.match(keys)
             if hits:
-                self.runner.write_chunks(seq.seq_id, self.prefix_index.gather(keys[:hits]))
-                seq.num_computed = seq.num_cached = hits * self.chunk_size
+                n = self._write(seq, self.prefix_index.gather(keys[:hits]))
                 seq.stored_chunks = hits
-                self.counters["prefix_cached_tokens"] += seq.num_cached
+                self.counters["prefix_cached_tokens"] += n
         return True
 
     def store(self, seq: Sequence, max_chunks: int | None = None) -> int:
@@ -155,8 +155,22 @@ class KvReuse:
     # -- internals ---------------------------------------------------------------
 
     def _prompt_keys(self, seq: Sequence) -> list[bytes]:
-        # Always leave at least one prompt token to compute: its logits are needed.
-        return chunk_keys(self.namespace, seq.token_ids[: seq.prompt_len - 1], self.chunk_size)
+        return chunk_keys(self.namespace, seq.token_ids[: seq.prompt_len], self.chunk_size)
+
+    def _write(self, seq: Sequence, chunks: list[KvLayers]) -> int:
+        """Write reused chunks as the sequence's KV, but never the whole prompt:
+        the last prompt token is always computed, since its logits are needed.
+        (A prompt that ends on a chunk boundary reuses all but that one token.)
+        Returns the tokens reused."""
+        n = min(len(chunks) * self.chunk_size, seq.prompt_len - 1)
+        extra = len(chunks) * self.chunk_size - n
+        if extra:
+            keep = self.chunk_size - extra
+            chunks = chunks[:-1] + [[(k[:, :keep], v[:, :keep]) for k, v in chunks[-1]]]
+        if n > 0:
+            self.runner.write_chunks(seq.seq_id, chunks)
+        seq.num_computed = seq.num_cached = n
+        return n
 
     def _local_run(self, keys: list[bytes]) -> int:
         """Leading ``keys`` present in the local index (without counting a lookup)."""
@@ -174,14 +188,12 @@ class KvReuse:
         if not fetched or self._local_run(keys[:start]) < start:
             return False  # nothing came, or local chunks were evicted meanwhile
         local = self.prefix_index.match(keys[:start]) if start else 0
-        self.runner.write_chunks(seq.seq_id, self.prefix_index.gather(keys[:local]) + fetched)
-        n = local + len(fetched)
-        seq.num_computed = seq.num_cached = n * self.chunk_size
-        seq.stored_chunks = n
+        reused = self._write(seq, self.prefix_index.gather(keys[:local]) + fetched)
+        seq.stored_chunks = local + len(fetched)
         if self.prefix_index.capacity_bytes:
             for i, chunk in enumerate(fetched):
                 # read-only views of the fetched blob: nothing writes to them
                 self.prefix_index.put(keys[local + i], chunk, copy=False)
         self.counters["prefix_cached_tokens"] += local * self.chunk_size
-        self.counters["kvstore_cached_tokens"] += len(fetched) * self.chunk_size
+        self.counters["kvstore_cached_tokens"] += reused - local * self.chunk_size
         return True

@@ -1,0 +1,263 @@
+"""Our engine, in-process and through ``genai-server`` (client-side timing).
+
+Timing rules, the same for every engine: the clock starts when the request is
+submitted; TTFT is the arrival of the first token; decode tok/s is
+``(n - 1) / (t_last - t_first)`` (see ``workload.stream_stats``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from genai_client import AsyncClient, Client
+from genai_service.config import EngineConfig, RunnerConfig, SchedulerConfig
+from genai_service.engine.engine import LLMEngine
+from genai_service.engine.request import GenerationRequest, StoppingCriteria
+
+from .procs import REPO, RssMonitor, free_port, stop_tree
+from .workload import stream_stats
+
+# Server defaults (genai-server --max-num-seqs / --max-batched-tokens), used in-process too.
+MAX_NUM_SEQS = 8
+MAX_BATCHED_TOKENS = 512
+
+_ids = itertools.count()
+
+
+class InProcessEngine:
+    """``LLMEngine`` driven step by step in this process, as the engine process does."""
+
+    def __init__(self, model_dir: str, threads: int) -> None:
+        self.engine = LLMEngine(
+            EngineConfig(
+                model_dir=model_dir,
+                runner=RunnerConfig(intra_op_threads=threads),
+                scheduler=SchedulerConfig(
+                    max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_BATCHED_TOKENS
+                ),
+            )
+        )
+        self.runner_kind = self.engine.runner.kind
+
+    def single(self, ids: Sequence[int], new_tokens: int) -> dict:
+        request = GenerationRequest(
+            request_id=f"bench-{next(_ids)}",
+            prompt_token_ids=tuple(ids),
+            stopping=StoppingCriteria(max_new_tokens=new_tokens, ignore_eos=True),
+        )
+        times: list[float] = []
+        counts: list[int] = []
+        tokens: list[int] = []
+        submit = time.perf_counter()
+        self.engine.add_request(request)
+        done = False
+        while not done:
+            outputs = self.engine.step()
+            now = time.perf_counter()
+            for out in outputs:
+                if out.request_id != request.request_id:
+                    continue
+                if out.error is not None:
+                    raise out.error
+                if out.token_ids:
+                    times.append(now)
+                    counts.append(len(out.token_ids))
+                    tokens.extend(out.token_ids)
+                done = done or out.finished
+        # Sessions-free requests leave nothing behind but a commit-free retire.
+        while self.engine.has_unfinished():
+            self.engine.step()
+        stats = stream_stats(submit, times, counts)
+        stats["token_ids"] = tokens[:32]
+        return stats
+
+    def concurrent(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> dict:
+        """All prompts added at once, then stepped until every one finished."""
+        requests = [
+            GenerationRequest(
+                request_id=f"bench-{next(_ids)}",
+                prompt_token_ids=tuple(ids),
+                stopping=StoppingCriteria(max_new_tokens=new_tokens, ignore_eos=True),
+            )
+            for ids in prompts
+        ]
+        streams = {r.request_id: {"first": 0.0, "last": 0.0, "tokens": 0} for r in requests}
+        open_ids = set(streams)
+        submit = time.perf_counter()
+        for request in requests:
+            self.engine.add_request(request)
+        while open_ids:
+            outputs = self.engine.step()
+            now = time.perf_counter()
+            for out in outputs:
+                s = streams.get(out.request_id)
+                if s is None:
+                    continue
+                if out.error is not None:
+                    raise out.error
+                if out.token_ids:
+                    s["first"] = s["first"] or now
+                    s["last"] = now
+                    s["tokens"] += len(out.token_ids)
+                if out.finished:
+                    open_ids.discard(out.request_id)
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return {"submit": submit, "streams": list(streams.values())}
+
+
+class ServerProcess:
+    """``genai-server`` on a free 127.0.0.1 port, with its RSS watched from start to stop."""
+
+    def __init__(self, model_dir: str, threads: int, start_timeout_s: float = 600.0) -> None:
+        self.port = free_port()
+        self.target = f"127.0.0.1:{self.port}"
+        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the server
+            prefix="bench-server-", suffix=".log", delete=False
+        )
+        exe = Path(sys.executable).with_name("genai-server")
+        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "genai_service"]
+        cmd += [
+            "--model", model_dir,
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--threads", str(threads),
+            "--max-num-seqs", str(MAX_NUM_SEQS),
+            "--max-batched-tokens", str(MAX_BATCHED_TOKENS),
+            "--grace-period", "5",
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self.monitor = RssMonitor(self.proc.pid)
+        try:
+            self._wait_serving(start_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_serving(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.target) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"genai-server exited early:\n{self.log_tail()}")
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        raise TimeoutError(f"genai-server not SERVING after {timeout_s}s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            text = Path(self._log.name).read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self) -> dict:
+        """Stop the server; returns its peak RSS figures (read just before stopping)."""
+        hwm = self.monitor.hwm()
+        self.monitor.stop()
+        stop_tree(self.proc, timeout_s=15)
+        self._log.close()
+        Path(self._log.name).unlink(missing_ok=True)
+        return self.monitor.summary(hwm)
+
+
+# -- through the server ----------------------------------------------------------
+
+
+def server_single(client: Client, ids: Sequence[int], new_tokens: int) -> dict:
+    times: list[float] = []
+    counts: list[int] = []
+    tokens: list[int] = []
+    submit = time.perf_counter()
+    stream = client.stream(token_ids=list(ids), max_new_tokens=new_tokens, ignore_eos=True)
+    for delta in stream:
+        if delta.token_ids:
+            times.append(time.perf_counter())
+            counts.append(len(delta.token_ids))
+            tokens.extend(delta.token_ids)
+    stats = stream_stats(submit, times, counts)
+    stats["token_ids"] = tokens[:32]
+    stats["cached_tokens"] = stream.result.usage.cached_tokens
+    return stats
+
+
+def server_sessions(
+    client: Client, conversations: Sequence[Sequence[Sequence[int]]], new_tokens: int
+) -> list[list[dict]]:
+    """Run the conversations turn by turn, interleaved (conversation 0's turn 1,
+    conversation 1's turn 1, ...); returns per conversation, per turn: TTFT and
+    the tokens the server reused."""
+    sessions = [client.session() for _ in conversations]
+    results: list[list[dict]] = [[] for _ in conversations]
+    try:
+        for turn in range(len(conversations[0])):
+            for c, conv in enumerate(conversations):
+                first = None
+                submit = time.perf_counter()
+                stream = sessions[c].stream(
+                    token_ids=list(conv[turn]), max_new_tokens=new_tokens, ignore_eos=True
+                )
+                for delta in stream:
+                    if delta.token_ids and first is None:
+                        first = time.perf_counter()
+                usage = stream.result.usage
+                results[c].append(
+                    {
+                        "ttft_s": (first or float("nan")) - submit,
+                        "prompt_tokens": usage.prompt_tokens,
+                        "cached_tokens": usage.cached_tokens,
+                        "tokens": usage.completion_tokens,
+                    }
+                )
+    finally:
+        for s in sessions:
+            s.close()
+    return results
+
+
+async def _concurrent(target: str, prompts: Sequence[Sequence[int]], new_tokens: int) -> dict:
+    async with AsyncClient(target) as client:
+        await client.model_info()  # connect before the clock starts
+
+        async def one(ids: Sequence[int]) -> dict:
+            first = last = 0.0
+            n = 0
+            stream = client.stream(token_ids=list(ids), max_new_tokens=new_tokens, ignore_eos=True)
+            async for delta in stream:
+                if delta.token_ids:
+                    last = time.perf_counter()
+                    first = first or last
+                    n += len(delta.token_ids)
+            return {"first": first, "last": last, "tokens": n}
+
+        submit = time.perf_counter()
+        streams = await asyncio.gather(*(one(p) for p in prompts))
+    return {"submit": submit, "streams": list(streams)}
+
+
+def server_concurrent(target: str, prompts: Sequence[Sequence[int]], new_tokens: int) -> dict:
+    """All prompts submitted at once as separate GenerateStream calls."""
+    return asyncio.run(_concurrent(target, prompts, new_tokens))

@@ -1,0 +1,206 @@
+"""``python -m bench.run``: genai-grpc against onnxruntime-genai, one run.
+
+    python -m bench.run                 # the full run (median of 3 reps, ~20 min on 2 cores)
+    python -m bench.run --quick         # 1 rep, fewer lengths, shorter outputs (smoke test)
+    python -m bench.run --reps 5 --out bench/results/mine.json
+    python -m bench.run --sections single,sessions
+
+Writes JSON to ``bench/results/<timestamp>.json`` (git-ignored) and appends a
+markdown section to ``docs/benchmarks.md`` (not for ``--quick`` unless
+``--doc``). What is measured and how: ``bench/suite.py``; the timing rules:
+``bench/ours.py`` and ``bench/ortgenai.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import structlog
+
+from genai_service.convert.convert import ConvertOptions, convert
+from genai_service.convert.default_model import default_cache_dir, default_gguf, resolve_model
+from genai_service.logging import configure_logging
+
+from . import report
+from .procs import REPO, CpuLedger, machine_info, versions
+from .suite import NOISY_CORES, Bench
+from .workload import Plan
+
+log = structlog.get_logger("bench")
+SECTIONS = ("single", "sessions", "concurrency", "kvstore")
+DOC = REPO / "docs" / "benchmarks.md"
+DOC_HEADER = """# Benchmarks
+
+`make bench` (or `python -m bench.run`) measures genai-grpc against onnxruntime-genai on the
+default model (SmolLM2-135M-Instruct) in one run and appends a section here; the raw numbers
+are in `bench/results/<timestamp>.json`. Absolute times depend on the machine and its load;
+the ratios are what to compare. `docs/design.md` explains the engine; issue 6 sets the targets.
+"""
+
+
+def og_engine_model_dir(model_dir: Path) -> Path:
+    """A model directory og.Engine can run.
+
+    onnxruntime-genai 0.18's static-batch Engine binds logits for every prompt
+    position and fails on our graphs, which return the last position's only.
+    For a converted model (``conversion.json``) we convert the same GGUF with
+    the same options but ``all_logits``, once, next to the default model's cache.
+    """
+    meta_path = model_dir / "conversion.json"
+    if not meta_path.is_file():
+        return model_dir
+    options = json.loads(meta_path.read_text())["options"]
+    if options.get("all_logits"):
+        return model_dir
+    target = default_cache_dir() / f"bench-{model_dir.name}-all-logits"
+    if target.is_dir():
+        return target
+    source = default_gguf().path
+    if json.loads(meta_path.read_text()).get("source") != source.name:
+        return model_dir  # not the default model: og.Engine gets the same directory
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        log.info("converting an all-logits graph for og.Engine (once)", out=str(target))
+        convert(
+            source,
+            tmp,
+            ConvertOptions(**{**options, "all_logits": True}),
+            progress=False,
+        )
+        os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def kvstore_section(model_dir: str, reps: int, threads: int) -> dict:
+    """Issue 4: a long prompt's TTFT cold vs. served from the kvstore, and Get throughput."""
+    from . import kv_reuse, kvstore_bench
+
+    return {
+        "reuse": kv_reuse.measure(model_dir, 2048, reps, threads, 256),
+        "throughput": kvstore_bench.measure(),
+    }
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="1 rep, fewer lengths (smoke test)")
+    p.add_argument("--reps", type=int, default=None, help="repetitions per measurement (3)")
+    p.add_argument("--out", type=Path, default=None, help="JSON output path")
+    p.add_argument("--model", default="default", help="model directory, or 'default'")
+    p.add_argument("--threads", type=int, default=2, help="intra-op threads for every engine")
+    p.add_argument(
+        "--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}"
+    )
+    p.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="before each rep, wait up to S seconds for other work on the machine to pause (0: no)",
+    )
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=2,
+        help=f"reruns of a rep during which other work took > {NOISY_CORES} cores (fresh prompts)",
+    )
+    doc = p.add_mutually_exclusive_group()
+    doc.add_argument("--doc", dest="doc", action="store_true", default=None)
+    doc.add_argument("--no-doc", dest="doc", action="store_false")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    configure_logging("console")
+    sections = tuple(s for s in args.sections.split(",") if s)
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        raise SystemExit(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+    plan = Plan.quick_plan(sections) if args.quick else Plan(sections=sections)
+    if args.reps is not None:
+        if args.reps < 1:
+            raise SystemExit("--reps must be >= 1")
+        plan = Plan(**{**asdict(plan), "reps": args.reps})
+    plan = Plan(**{**asdict(plan), "threads": args.threads})
+    started = time.perf_counter()
+    date = dt.datetime.now(dt.UTC)
+    model_dir = resolve_model(args.model).resolve()
+    og_engine_dir = (
+        og_engine_model_dir(model_dir) if {"sessions", "concurrency"} & set(sections) else model_dir
+    )
+    conversion = {}
+    if (model_dir / "conversion.json").is_file():
+        conversion = json.loads((model_dir / "conversion.json").read_text())
+    results: dict = {
+        "meta": {
+            "date": date.strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": machine_info(),
+            "versions": versions(),
+            "plan": asdict(plan),
+            "model": {
+                "dir": str(model_dir),
+                "name": conversion.get("source", model_dir.name),
+                "weights": json.dumps(conversion.get("options", {})),
+            },
+            "og_engine_model": str(og_engine_dir),
+        }
+    }
+    bench = Bench(
+        plan, model_dir, og_engine_dir, quiet_wait_s=args.quiet_wait, retries=args.retries
+    )
+    results["meta"]["runner_kind"] = bench.inproc.runner_kind
+    # Wall time and CPU per phase, and the CPU other work took meanwhile.
+    phases: dict[str, dict] = {}
+    ledger = CpuLedger()
+    try:
+        results["cold_start"] = bench.warmup()
+        phases["warmup"] = ledger.lap()
+        for section in SECTIONS:
+            if section == "kvstore" and section in sections:
+                results[section] = kvstore_section(str(model_dir), plan.reps, args.threads)
+                phases[section] = ledger.lap()
+                continue
+            if section in sections:
+                results[section] = getattr(bench, section)()
+                phases[section] = ledger.lap()
+                log.info("section done", section=section, **phases[section])
+    finally:
+        results["rss"] = bench.close()
+    results["meta"]["phases"] = phases
+    results["meta"]["elapsed_s"] = time.perf_counter() - started
+    results["meta"]["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    results["meta"]["notes"] = bench.notes
+    results["meta"]["noisy_measurements"] = bench.noisy
+    results["meta"]["retried_reps"] = bench.retried
+    results["meta"]["waited_for_quiet_s"] = round(bench.waited_s, 1)
+    results["meta"]["noisy_threshold_cores"] = NOISY_CORES
+    results["targets"] = report.targets(results)
+
+    out = args.out or REPO / "bench" / "results" / f"{date.strftime('%Y%m%dT%H%M%SZ')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    section_md = report.markdown(results)
+    write_doc = args.doc if args.doc is not None else not plan.quick
+    if write_doc:
+        existing = DOC.read_text() if DOC.is_file() else DOC_HEADER
+        DOC.write_text(existing.rstrip("\n") + "\n\n" + section_md)
+    print(section_md)
+    print(f"JSON: {out}" + (f"; appended to {DOC}" if write_doc else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
