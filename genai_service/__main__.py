@@ -62,13 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--kv-chunk-size", type=int, default=256, help="tokens per KV chunk (prefix reuse)"
     )
-    g.add_argument("--prefix-cache-bytes", type=int, default=512 * 1024 * 1024)
+    g.add_argument(
+        "--prefix-cache-bytes",
+        type=int,
+        default=256 * 1024 * 1024,
+        help="in-process prefix cache (LRU by bytes; 0: off)",
+    )
     g.add_argument("--max-sessions", type=int, default=64)
     g.add_argument("--session-ttl", type=float, default=900.0, metavar="S")
     g.add_argument(
         "--session-kv-bytes",
         type=int,
-        default=2 * 1024**3,
+        default=1024**3,
         help="host memory for parked sessions' KV (LRU beyond it is recomputed)",
     )
     g.add_argument("--default-max-new-tokens", type=int, default=256)

@@ -49,7 +49,7 @@ class CacheConfig:
     """In-process prefix reuse (DESIGN §4 chunk keys)."""
 
     chunk_size: int = 256  # tokens per KV chunk (genai-server --kv-chunk-size)
-    prefix_cache_bytes: int = 512 * 1024 * 1024  # LRU bound; 0 disables prefix reuse
+    prefix_cache_bytes: int = 256 * 1024 * 1024  # LRU bound; 0 disables prefix reuse
 
     def __post_init__(self) -> None:
         _positive("chunk_size", self.chunk_size)
@@ -64,7 +64,7 @@ class SessionConfig:
     # Host memory for the KV of sessions parked between turns; past it the least
     # recently used parked KV is dropped (that session's next turn recomputes
     # its history, or fetches it from the kvstore).
-    max_parked_kv_bytes: int = 2 * 1024**3
+    max_parked_kv_bytes: int = 1024**3
 
     def __post_init__(self) -> None:
         _positive("max_sessions", self.max_sessions)
