@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from google.protobuf import json_format
 
@@ -458,3 +458,45 @@ def detokenize_request(
     if skip_special_tokens is not None:
         request.skip_special_tokens = skip_special_tokens
     return request
+
+
+class StreamState:
+    """What a sync or asyncio generation stream has received so far: the
+    deltas' text and, once the final message arrives, the whole result."""
+
+    _collect_hint = "call collect()"
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+        self._text: list[str] = []
+        self._result: GenerationResult | None = None
+
+    def _absorb(self, response: Any) -> Delta | None:
+        """Record one stream message; the delta to hand out, if it is one."""
+        item = stream_event(response, self._text)
+        if isinstance(item, Delta):
+            return item
+        if item is not None:
+            self._result = item
+        return None
+
+    def _check_finished(self) -> None:
+        if self._result is None:
+            raise InternalError("the stream ended without a final message")
+
+    @property
+    def text(self) -> str:
+        """The text received so far."""
+        return "".join(self._text)
+
+    @property
+    def done(self) -> bool:
+        """True once the final message has arrived."""
+        return self._result is not None
+
+    @property
+    def result(self) -> GenerationResult:
+        """The whole result; raises ``RuntimeError`` before the stream ended."""
+        if self._result is None:
+            raise RuntimeError(f"the stream has not ended: iterate it or {self._collect_hint}")
+        return self._result

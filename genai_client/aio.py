@@ -57,7 +57,7 @@ from genai_client.types import (
 from genai_service._proto.genai.v1 import generate_pb2_grpc, model_pb2_grpc, session_pb2_grpc
 
 
-class AsyncGenerationStream:
+class AsyncGenerationStream(_convert.StreamState):
     """A streamed request: ``async for`` it for :class:`Delta` objects.
 
     After the iteration ends, :attr:`result` holds the whole result;
@@ -65,10 +65,10 @@ class AsyncGenerationStream:
     or leaving an ``async with`` block early, cancels the request.
     """
 
+    _collect_hint = "await collect()"
+
     def __init__(self, call: Any) -> None:
-        self._call = call
-        self._text: list[str] = []
-        self._result: GenerationResult | None = None
+        super().__init__(call)
         self._cancelled = False
 
     def __aiter__(self) -> AsyncIterator[Delta]:
@@ -77,36 +77,16 @@ class AsyncGenerationStream:
     async def _deltas(self) -> AsyncIterator[Delta]:
         try:
             async for response in self._call:
-                item = _convert.stream_event(response, self._text)
-                if isinstance(item, Delta):
-                    yield item
-                elif item is not None:
-                    self._result = item
+                delta = self._absorb(response)
+                if delta is not None:
+                    yield delta
         except grpc.RpcError as error:
             raise from_rpc_error(error) from error
         except asyncio.CancelledError:
             if self._cancelled:  # our cancel(), not the task's cancellation
                 raise CancelledError("cancelled by the client") from None
             raise
-        if self._result is None:
-            raise InternalError("the stream ended without a final message")
-
-    @property
-    def text(self) -> str:
-        """The text received so far."""
-        return "".join(self._text)
-
-    @property
-    def done(self) -> bool:
-        """True once the final message has arrived."""
-        return self._result is not None
-
-    @property
-    def result(self) -> GenerationResult:
-        """The whole result; raises ``RuntimeError`` before the stream ended."""
-        if self._result is None:
-            raise RuntimeError("the stream has not ended: iterate it or await collect()")
-        return self._result
+        self._check_finished()
 
     async def collect(self) -> GenerationResult:
         """Consume the remaining deltas and return the whole result."""

@@ -82,7 +82,7 @@ def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
-class GenerationStream:
+class GenerationStream(_convert.StreamState):
     """A streamed request: iterate it for :class:`Delta` objects.
 
     After the iteration ends, :attr:`result` holds the whole
@@ -92,40 +92,15 @@ class GenerationStream:
     running. Failures raise :class:`GenAIClientError` from the iteration.
     """
 
-    def __init__(self, call: Any) -> None:
-        self._call = call
-        self._text: list[str] = []
-        self._result: GenerationResult | None = None
-
     def __iter__(self) -> Iterator[Delta]:
         try:
             for response in self._call:
-                item = _convert.stream_event(response, self._text)
-                if isinstance(item, Delta):
-                    yield item
-                elif item is not None:
-                    self._result = item
+                delta = self._absorb(response)
+                if delta is not None:
+                    yield delta
         except grpc.RpcError as error:
             raise from_rpc_error(error) from error
-        if self._result is None:
-            raise InternalError("the stream ended without a final message")
-
-    @property
-    def text(self) -> str:
-        """The text received so far."""
-        return "".join(self._text)
-
-    @property
-    def done(self) -> bool:
-        """True once the final message has arrived."""
-        return self._result is not None
-
-    @property
-    def result(self) -> GenerationResult:
-        """The whole result; raises ``RuntimeError`` before the stream ended."""
-        if self._result is None:
-            raise RuntimeError("the stream has not ended: iterate it or call collect()")
-        return self._result
+        self._check_finished()
 
     def collect(self) -> GenerationResult:
         """Consume the remaining deltas and return the whole result."""
