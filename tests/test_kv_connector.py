@@ -17,8 +17,8 @@ from genai_service.engine.kv_connector import (
     STAT_NAMES,
     GrpcKvChunkStore,
     KvChunkStore,
-    MemoryKvChunkStore,
 )
+from genai_service.engine.kv_connector_memory import MemoryKvChunkStore
 from genai_service.engine.prefix_cache import KvLayers, chunk_keys, make_namespace
 from kvstore.blob import pack_kv
 from kvstore.client import KvStoreClient

@@ -9,7 +9,7 @@ from collections import Counter
 
 import numpy as np
 
-from genai_service.engine.kv_connector import MemoryKvChunkStore
+from genai_service.engine.kv_connector_memory import MemoryKvChunkStore
 from genai_service.engine.kv_reuse import KvReuse
 from genai_service.engine.prefix_cache import KvLayers, chunk_keys, join_chunks, kv_nbytes
 from genai_service.engine.request import GenerationRequest

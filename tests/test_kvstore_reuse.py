@@ -11,7 +11,7 @@ import pytest
 
 from genai_service.config import CacheConfig, EngineConfig, KvStoreConfig, RunnerConfig
 from genai_service.engine.engine import LLMEngine
-from genai_service.engine.kv_connector import MemoryKvChunkStore
+from genai_service.engine.kv_connector_memory import MemoryKvChunkStore
 from genai_service.engine.request import GenerationRequest, StoppingCriteria
 from tests.kvstore_harness import KvStoreProcess
 from tests.server_harness import free_port

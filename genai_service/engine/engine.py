@@ -13,7 +13,7 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import structlog
@@ -32,12 +32,11 @@ from .request import (
     GenerationRequest,
     GenerationResult,
     RequestOutput,
-    SamplingParams,
     TokenLogprob,
-    TopLogprob,
     Usage,
     collect,
 )
+from .sampling_rows import plain_greedy, sampling_row, token_logprob
 from .scheduler import Scheduler
 from .sequence import SeqStatus, Sequence
 from .sessions import (
@@ -58,7 +57,6 @@ log = structlog.get_logger(__name__)
 STORE_CHUNKS_PER_STEP = 2  # prefix chunks copied out per step (see _store_some)
 DEFAULT_CONTEXT_LENGTH = 2048  # when neither the graph nor a config says
 DETOKENIZER_CONTEXT = 8  # prompt tokens given to the detokenizer as left context
-_SAMPLING_DEFAULT_FIELDS = ("top_k", "top_p", "min_p", "repetition_penalty")
 
 
 @dataclass(frozen=True)
@@ -329,81 +327,27 @@ class LLMEngine:
         if not to_sample:
             return []
         seqs = [items[i][0] for i in to_sample]
-        if all(self._plain_greedy(seq) for seq in seqs):
+        if all(plain_greedy(seq) for seq in seqs):
             # The common case needs no sampler set-up: a row-wise argmax.
             tokens = np.argmax(logits[to_sample], axis=1)
             return [
                 self._append_token(seq, int(t), None) for seq, t in zip(seqs, tokens, strict=True)
             ]
-        rows = [self._sampling_row(seq) for seq in seqs]
+        rows = [sampling_row(seq, self.spec.sampling_defaults) for seq in seqs]
         sampled = sampling.sample(logits[to_sample], sampling.prepare(rows))
         outputs = []
         for j, seq in enumerate(seqs):
             lp = None
             if seq.request.top_logprobs > 0:
-                lp = self._token_logprob(
+                lp = token_logprob(
                     int(sampled.token_ids[j]),
                     float(sampled.logprobs[j]) if sampled.logprobs is not None else 0.0,
                     sampled.top_token_ids[j],
                     sampled.top_logprobs[j],
+                    self.tokenizer.token_text,
                 )
             outputs.append(self._append_token(seq, int(sampled.token_ids[j]), lp))
         return outputs
-
-    @staticmethod
-    def _plain_greedy(seq: Sequence) -> bool:
-        """Greedy with nothing that changes the logits and no logprobs wanted."""
-        p = seq.request.sampling
-        return (
-            p.greedy
-            and seq.request.top_logprobs == 0
-            and len(seq.output_ids) >= seq.request.stopping.min_new_tokens
-            and p.repetition_penalty in (None, 1.0)
-            and not p.frequency_penalty
-            and not p.presence_penalty
-        )
-
-    def _sampling_row(self, seq: Sequence) -> sampling.SamplingRow:
-        banned: tuple[int, ...] = ()
-        if len(seq.output_ids) < seq.request.stopping.min_new_tokens:
-            banned = tuple(seq.eos_token_ids | seq.stop_token_ids)
-        return sampling.SamplingRow(
-            params=self._effective_sampling(seq.request.sampling),
-            rng=seq.rng,
-            prompt_token_ids=seq.token_ids[: seq.prompt_len],
-            output_token_ids=seq.output_ids,
-            top_logprobs=seq.request.top_logprobs,
-            banned_token_ids=banned,
-            want_logprobs=seq.request.top_logprobs > 0,
-        )
-
-    def _effective_sampling(self, params: SamplingParams) -> SamplingParams:
-        """Model defaults (genai_config ``search``) fill unset fields of sampling requests."""
-        defaults = self.spec.sampling_defaults
-        if params.greedy or not defaults.get("do_sample"):
-            return params
-        filled = {
-            name: defaults[name]
-            for name in _SAMPLING_DEFAULT_FIELDS
-            if getattr(params, name) is None and name in defaults
-        }
-        if not filled:
-            return params
-        return replace(params, **filled)  # type: ignore[arg-type]
-
-    def _token_logprob(
-        self, token: int, logprob: float, top_ids: np.ndarray, top_lps: np.ndarray
-    ) -> TokenLogprob:
-        text = self.tokenizer.token_text
-        return TokenLogprob(
-            token_id=token,
-            text=text(token),
-            logprob=logprob,
-            top=tuple(
-                TopLogprob(int(t), text(int(t)), float(p))
-                for t, p in zip(top_ids, top_lps, strict=True)
-            ),
-        )
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> RequestOutput:
         seq.token_ids.append(token)

@@ -18,14 +18,13 @@ import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from genai_service.engine.model_dir import (
+from genai_service.engine.model_config import (
     TOKENIZER_CONFIG_FILE,
-    TOKENIZER_FILE,
-    ModelSpec,
     find_chat_template,
     read_json,
     special_token_text,
 )
+from genai_service.engine.model_dir import TOKENIZER_FILE, ModelSpec
 from genai_service.errors import InvalidArgument, ModelLoadError
 
 

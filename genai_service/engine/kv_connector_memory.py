@@ -1,0 +1,148 @@
+"""``MemoryKvChunkStore``: the in-process ``KvChunkStore`` for engine tests and dev.
+
+Same contract as ``GrpcKvChunkStore`` (``kv_connector``), kept in a dict with
+no network; it shares the counters, warnings and chunk checks of
+``kv_connector._CountingStore``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+from kvstore.blob import KvHeader, pack_kv
+
+from .kv_connector import _CountingStore, _resolve
+from .prefix_cache import KvLayers
+
+
+class MemoryKvChunkStore(_CountingStore):
+    """``KvChunkStore`` in a dict, for engine tests; same contract, no network.
+
+    Chunks are stored packed (``blobs``, shared with records as in the real
+    store), so tests can corrupt them. Knobs, changeable at any time:
+    ``delay_s`` makes prefetch resolve that much later on a timer thread (and
+    get_record block that long); a delay of ``timeout_s`` or more is a timeout.
+    ``fail`` makes every operation fail (counted as an error).
+    """
+
+    def __init__(
+        self,
+        *,
+        dtype: str = "float32",
+        timeout_s: float = 2.0,
+        delay_s: float = 0.0,
+        fail: bool = False,
+    ) -> None:
+        super().__init__(dtype, timeout_s)
+        self.delay_s = delay_s
+        self.fail = fail
+        self.blobs: dict[bytes, bytes] = {}
+        self._lock = threading.Lock()
+        self._timers: dict[Future[list[KvLayers]], threading.Timer] = {}
+        self._closed = False
+
+    def _collect(self, keys: list[bytes]) -> list[KvLayers]:
+        out: list[KvLayers] = []
+        first: KvHeader | None = None
+        if self.fail:
+            self._failed("prefetch", ConnectionError("failure injected"))
+        elif self.delay_s >= self.timeout_s:
+            self._failed("prefetch", TimeoutError(f"delay_s={self.delay_s}"))
+        else:
+            for key in keys:
+                with self._lock:
+                    blob = self.blobs.get(key)
+                if blob is None:
+                    break
+                self._count("fetched_bytes", len(blob))
+                checked = self._check_chunk(key, blob, first)
+                if checked is None:
+                    break
+                first = first or checked[0]
+                out.append(checked[1])
+        self._finish_prefetch(len(keys), len(out))
+        return out
+
+    def prefetch(self, keys: Sequence[bytes]) -> Future[list[KvLayers]]:
+        future: Future[list[KvLayers]] = Future()
+        keys = list(keys)
+        if not keys or self._closed:
+            future.set_result([])
+        elif self.delay_s <= 0:
+            future.set_result(self._collect(keys))
+        else:
+
+            def fire() -> None:
+                with self._lock:
+                    self._timers.pop(future, None)
+                _resolve(future, self._collect(keys))
+
+            timer = threading.Timer(min(self.delay_s, self.timeout_s), fire)
+            timer.daemon = True
+            with self._lock:
+                self._timers[future] = timer
+            timer.start()
+        return future
+
+    def push(self, key: bytes, layers: KvLayers) -> None:
+        if self._closed:
+            return
+        if self.fail:
+            self._failed("push", ConnectionError("failure injected"), key)
+            return
+        with self._lock:
+            present = key in self.blobs
+        if present:
+            self._count("push_skipped")
+            return
+        blob = pack_kv(layers, self.dtype)
+        with self._lock:
+            self.blobs.setdefault(key, blob)
+        self._count("pushed_chunks")
+
+    def get_record(self, key: bytes, timeout_s: float) -> bytes | None:
+        if self._closed:
+            return None
+        if self.delay_s > 0:
+            time.sleep(min(self.delay_s, timeout_s))
+        if self.fail or self.delay_s >= timeout_s:
+            error = ConnectionError("failure injected") if self.fail else TimeoutError()
+            self._failed("record get", error, key)
+            return None
+        with self._lock:
+            return self.blobs.get(key)
+
+    def put_record(self, key: bytes, data: bytes) -> None:
+        if self._closed:
+            return
+        if self.fail:
+            self._failed("record write", ConnectionError("failure injected"), key)
+            return
+        with self._lock:
+            self.blobs[key] = bytes(data)
+
+    def delete_record(self, key: bytes) -> None:
+        if self._closed:
+            return
+        if self.fail:
+            self._failed("record write", ConnectionError("failure injected"), key)
+            return
+        with self._lock:
+            self.blobs.pop(key, None)
+
+    def record_pending(self, key: bytes) -> bool:
+        return False  # writes are synchronous
+
+    def flush(self, timeout_s: float) -> bool:
+        return True  # writes are synchronous
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            timers, self._timers = self._timers, {}
+        for future, timer in timers.items():
+            timer.cancel()
+            _resolve(future, [])

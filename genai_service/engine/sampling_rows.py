@@ -1,0 +1,84 @@
+"""From a running sequence to the sampler and back: the engine's sampling glue.
+
+``plain_greedy`` spots the rows that need no sampler at all (a row-wise
+argmax); ``sampling_row`` builds the ``sampler.SamplingRow`` of a sequence,
+with the model author's defaults applied; ``token_logprob`` turns the
+sampler's logprob arrays into the ``TokenLogprob`` sent to the client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+
+import numpy as np
+
+from . import sampler as sampling
+from .request import SamplingParams, TokenLogprob, TopLogprob
+from .sequence import Sequence
+
+_SAMPLING_DEFAULT_FIELDS = ("top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def plain_greedy(seq: Sequence) -> bool:
+    """Greedy with nothing that changes the logits and no logprobs wanted."""
+    p = seq.request.sampling
+    return (
+        p.greedy
+        and seq.request.top_logprobs == 0
+        and len(seq.output_ids) >= seq.request.stopping.min_new_tokens
+        and p.repetition_penalty in (None, 1.0)
+        and not p.frequency_penalty
+        and not p.presence_penalty
+    )
+
+
+def sampling_row(seq: Sequence, defaults: Mapping[str, float | int]) -> sampling.SamplingRow:
+    """The sampler's view of ``seq``; ``defaults`` are the model's ``sampling_defaults``."""
+    banned: tuple[int, ...] = ()
+    if len(seq.output_ids) < seq.request.stopping.min_new_tokens:
+        banned = tuple(seq.eos_token_ids | seq.stop_token_ids)
+    return sampling.SamplingRow(
+        params=effective_sampling(seq.request.sampling, defaults),
+        rng=seq.rng,
+        prompt_token_ids=seq.token_ids[: seq.prompt_len],
+        output_token_ids=seq.output_ids,
+        top_logprobs=seq.request.top_logprobs,
+        banned_token_ids=banned,
+        want_logprobs=seq.request.top_logprobs > 0,
+    )
+
+
+def effective_sampling(
+    params: SamplingParams, defaults: Mapping[str, float | int]
+) -> SamplingParams:
+    """Model defaults (genai_config ``search``) fill unset fields of sampling requests."""
+    if params.greedy or not defaults.get("do_sample"):
+        return params
+    filled = {
+        name: defaults[name]
+        for name in _SAMPLING_DEFAULT_FIELDS
+        if getattr(params, name) is None and name in defaults
+    }
+    if not filled:
+        return params
+    return replace(params, **filled)  # type: ignore[arg-type]
+
+
+def token_logprob(
+    token: int,
+    logprob: float,
+    top_ids: np.ndarray,
+    top_lps: np.ndarray,
+    token_text: Callable[[int], str],
+) -> TokenLogprob:
+    """The sampled token's logprob and its top alternatives, with their text."""
+    return TokenLogprob(
+        token_id=token,
+        text=token_text(token),
+        logprob=logprob,
+        top=tuple(
+            TopLogprob(int(t), token_text(int(t)), float(p))
+            for t, p in zip(top_ids, top_lps, strict=True)
+        ),
+    )
