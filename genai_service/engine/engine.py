@@ -13,7 +13,7 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import structlog
@@ -110,7 +110,6 @@ class LLMEngine:
         self.sessions = SessionTable(
             config.sessions.max_sessions,
             config.sessions.idle_ttl_s,
-            on_evict=self._drop_session_kv,
             restore=self._restore_session if self.remote is not None else None,
         )
         self._requests: dict[str, Sequence] = {}
@@ -183,8 +182,25 @@ class LLMEngine:
     def close(self) -> None:
         """Release background resources (the kvstore connector)."""
         if self.remote is not None:
-            self.remote.flush(self.config.kvstore.timeout_s if self.config.kvstore else 1.0)
+            self.remote.flush(self._kvstore_timeout_s)
             self.remote.close()
+
+    def stats(self) -> dict[str, int]:
+        """Counters and gauges for the frontend's /metrics."""
+        return {
+            **self.counters,
+            "waiting": self.scheduler.num_waiting,
+            "running": len(self.scheduler.running),
+            "sessions": len(self.sessions),
+            "prefix_cache_bytes": self.prefix_index.bytes_used,
+            "prefix_cache_entries": len(self.prefix_index),
+            "sessions_evicted": self.sessions.evicted,
+            **{f"kvstore_{k}": v for k, v in (self.remote.stats() if self.remote else {}).items()},
+        }
+
+    @property
+    def _kvstore_timeout_s(self) -> float:
+        return self.config.kvstore.timeout_s if self.config.kvstore else 1.0
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
@@ -394,19 +410,7 @@ class LLMEngine:
             give_up = time.monotonic() + self.config.kvstore.record_wait_s
             self._held.append((key, give_up, final))
             return RequestOutput(seq.request_id, (token,), text, (lp,) if lp else ())
-        return RequestOutput(
-            seq.request_id,
-            (token,),
-            text,
-            (lp,) if lp else (),
-            finished=True,
-            finish_reason=final.finish_reason,
-            stop_sequence=final.stop_sequence,
-            usage=final.usage,
-            seed=final.seed,
-            session_id=final.session_id,
-            session_tokens=final.session_tokens,
-        )
+        return replace(final, token_ids=(token,), text=text, logprobs=(lp,) if lp else ())
 
     def _finish(
         self, seq: Sequence, reason: FinishReason, *, emit: bool, abort: bool = False
@@ -495,9 +499,6 @@ class LLMEngine:
             session.kv, session.kv_len = None, 0
             self.counters["session_kv_evicted"] += 1
 
-    def _drop_session_kv(self, session: Session) -> None:
-        session.kv, session.kv_len = None, 0
-
     def _save_session(self, session: Session) -> None:
         if self.remote is not None:
             self.remote.put_record(record_key(session.session_id), session_record(session))
@@ -506,8 +507,7 @@ class LLMEngine:
         """A session not in memory (evicted, or created on another replica)."""
         if self.remote is None or not is_session_id(session_id):
             return None
-        timeout = self.config.kvstore.timeout_s if self.config.kvstore else 1.0
-        data = self.remote.get_record(record_key(session_id), timeout)
+        data = self.remote.get_record(record_key(session_id), self._kvstore_timeout_s)
         if data is None:
             return None
         session = session_from_record(session_id, data, self.vocab_size)

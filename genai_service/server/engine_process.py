@@ -79,30 +79,7 @@ def _engine_main(config: EngineConfig, conn: Connection, log_format: str) -> Non
     conn.send(("ready", engine.info()))
     plog.info("engine_ready", pid=os.getpid(), runner=engine.runner.kind)
 
-    def stats() -> dict[str, Any]:
-        return {
-            **engine.counters,
-            "waiting": engine.scheduler.num_waiting,
-            "running": len(engine.scheduler.running),
-            "sessions": len(engine.sessions),
-            "prefix_cache_bytes": engine.prefix_index.bytes_used,
-            "prefix_cache_entries": len(engine.prefix_index),
-            "sessions_evicted": engine.sessions.evicted,
-            **{
-                f"kvstore_{k}": v
-                for k, v in (engine.remote.stats() if engine.remote else {}).items()
-            },
-        }
-
-    methods: dict[str, Callable[..., Any]] = {
-        "create_session": engine.create_session,
-        "get_session": engine.get_session,
-        "reset_session": engine.reset_session,
-        "close_session": engine.close_session,
-        "list_sessions": engine.list_sessions,
-        "info": engine.info,
-        "stats": stats,
-    }
+    methods: dict[str, Callable[..., Any]] = {name: getattr(engine, name) for name in CALLABLE}
 
     while True:
         # Block when there is nothing to step; nap briefly when the only work is

@@ -59,30 +59,15 @@ class Frontend:
         self.tokenizer = tokenizer
         self.max_input_chars = max_input_chars
         self.draining = False
-        self.inflight = 0  # generate RPCs running; shutdown waits for them
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self.inflight = 0  # generations running (logged when a drain starts)
 
     @contextlib.contextmanager
     def tracking(self) -> Any:
         self.inflight += 1
-        self._idle.clear()
         try:
             yield
         finally:
             self.inflight -= 1
-            if self.inflight == 0:
-                self._idle.set()
-
-    async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until no generate RPC is in flight; False if ``timeout_s`` passed first."""
-        if self._idle.is_set():
-            return True
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except TimeoutError:
-            return False
-        return True
 
     def authenticate(self, context: grpc.aio.ServicerContext) -> str:
         """The principal behind ``authorization: Bearer <token>`` ("" when auth is off)."""
@@ -125,6 +110,23 @@ class Frontend:
                         m.cached_tokens.inc(out.usage.cached_tokens)
                         m.completion_tokens.inc(out.usage.completion_tokens)
                     yield out
+
+    async def events(
+        self, request: generate_pb2.GenerateRequest
+    ) -> AsyncIterator[generate_pb2.Delta | generate_pb2.Final]:
+        """A request's stream events: a Delta per step that produced tokens or
+        text, then one Final (shared by GenerateStream and GenerateBidi)."""
+        outputs: list[RequestOutput] = []
+        async for out in self.outputs(await self.build_request(request)):
+            outputs.append(out)
+            if out.token_ids or out.text:
+                yield convert.delta(out)
+            if out.finished:
+                yield convert.final(outputs)
+
+
+def _event_fields(event: generate_pb2.Delta | generate_pb2.Final) -> dict[str, Any]:
+    return {"delta": event} if isinstance(event, generate_pb2.Delta) else {"final": event}
 
 
 def status_code(error: GenAIError) -> grpc.StatusCode:
@@ -215,13 +217,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def GenerateStream(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateStreamResponse]:
-        outputs: list[RequestOutput] = []
-        async for out in self.fe.outputs(await self.fe.build_request(request)):
-            outputs.append(out)
-            if out.token_ids or out.text:
-                yield generate_pb2.GenerateStreamResponse(delta=convert.delta(out))
-            if out.finished:
-                yield generate_pb2.GenerateStreamResponse(final=convert.final(outputs))
+        async for event in self.fe.events(request):
+            yield generate_pb2.GenerateStreamResponse(**_event_fields(event))
 
     async def GenerateBidi(
         self,
@@ -251,18 +248,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             )
 
         async def run_one(rid: str, start: generate_pb2.GenerateRequest) -> None:
-            outputs: list[RequestOutput] = []
             try:
-                async for out in self.fe.outputs(await self.fe.build_request(start)):
-                    outputs.append(out)
-                    if out.token_ids or out.text:
-                        events.put_nowait(
-                            generate_pb2.BidiResponse(request_id=rid, delta=convert.delta(out))
-                        )
-                    if out.finished:
-                        events.put_nowait(
-                            generate_pb2.BidiResponse(request_id=rid, final=convert.final(outputs))
-                        )
+                async for event in self.fe.events(start):
+                    events.put_nowait(
+                        generate_pb2.BidiResponse(request_id=rid, **_event_fields(event))
+                    )
             except Exception as exc:
                 events.put_nowait(error_event(rid, exc))
             finally:
