@@ -628,3 +628,13 @@ def test_engine_that_keeps_failing_to_start_is_fatal(
         assert srv.server.engine.restarts == 2
     finally:
         srv.stop()
+
+
+def test_a_request_id_already_in_flight_is_invalid_argument(channel: grpc.Channel) -> None:
+    stub = generate_pb2_grpc.GenerateServiceStub(channel)
+    running = stub.GenerateStream(gen_request("the cat", 3000, request_id="same-id"))
+    next(running)
+    code, msg = code_of(stub.Generate, gen_request("hello", 2, request_id="same-id"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert msg == "request_id: 'same-id' is already in flight"
+    running.cancel()

@@ -29,7 +29,7 @@ import structlog
 
 from ..config import EngineConfig
 from ..engine.request import GenerationRequest, RequestOutput
-from ..errors import GenAIError, Internal, Unavailable
+from ..errors import GenAIError, Internal, InvalidArgument, Unavailable
 
 log = structlog.get_logger(__name__)
 
@@ -292,7 +292,7 @@ class EngineProcess:
         queue: asyncio.Queue[RequestOutput | GenAIError] = asyncio.Queue()
         rid = request.request_id
         if rid in self._queues:
-            raise GenAIError(f"request_id: {rid!r} is already in flight")
+            raise InvalidArgument(f"request_id: {rid!r} is already in flight")
         self._queues[rid] = queue
         finished = False
         try:
