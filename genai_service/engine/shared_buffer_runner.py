@@ -114,16 +114,7 @@ class SharedBufferRunner(ModelRunner):
         ]
 
     def write_kv(self, seq_id: int, layers: KvLayers) -> None:
-        if self.kv_len(seq_id):
-            raise ValueError(f"sequence {seq_id} already holds KV")
-        n = int(layers[0][0].shape[1])
-        if n > self.max_len:
-            raise ValueError(f"{n} tokens of KV exceed the buffer length {self.max_len}")
-        slot = self._ensure_slot(seq_id)
-        for (k_in, v_in), k, v in zip(layers, self.k_buffers, self.v_buffers, strict=True):
-            k[slot, :, :n] = k_in
-            v[slot, :, :n] = v_in
-        self._len[seq_id] = n
+        self.write_chunks(seq_id, [layers])
 
     def write_chunks(self, seq_id: int, chunks: Sequence[KvLayers]) -> None:
         """Copy each chunk straight into the slot (no joined intermediate)."""
