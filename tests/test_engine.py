@@ -16,6 +16,7 @@ from genai_service.config import (
     SchedulerConfig,
 )
 from genai_service.engine.engine import LLMEngine
+from genai_service.engine.prefix_cache import chunk_keys
 from genai_service.engine.request import (
     FinishReason,
     GenerationRequest,
@@ -143,6 +144,54 @@ def test_two_turn_session_equals_one_request_over_the_history(tiny_model_dir: Pa
     assert r2.session_tokens == len(history) + len(turn2_in) + 6
     info = engine.get_session(session.session_id)
     assert info.turns == 2 and info.history_tokens == r2.session_tokens
+
+
+def test_parked_session_kv_shares_the_prefix_index_chunks(tiny_model_dir: Path) -> None:
+    engine = make_engine(tiny_model_dir, cache=CacheConfig(chunk_size=4))
+    sid = engine.create_session().session_id
+    t1 = encode_words("hello , who are you ?")
+    r1 = engine.generate(dataclasses.replace(greedy("t1", t1, 7), session_id=sid))
+    while engine.has_unfinished():
+        engine.step()  # the commit step parks the history
+    session = engine.sessions.get(sid)
+    history = t1 + list(r1.token_ids)
+    keys = chunk_keys(engine.kv_reuse.namespace, history, 4)
+    assert session.kv is not None and session.kv_len == len(history)
+    assert len(keys) >= 2 and len(session.kv) == len(keys) + (1 if len(history) % 4 else 0)
+    for key, chunk in zip(keys, session.kv, strict=False):
+        assert chunk is engine.prefix_index.get(key)  # the same arrays, not a copy
+    t2 = encode_words("what is the time now ?")
+    r2 = engine.generate(dataclasses.replace(greedy("t2", t2, 6), session_id=sid))
+    assert r2.usage.cached_tokens == len(history)
+    assert list(r2.token_ids) == reference_greedy(tiny_model_dir, history + t2, 6)
+
+
+def test_the_parked_budget_counts_shared_chunks_once(tiny_model_dir: Path) -> None:
+    from genai_service.config import SessionConfig
+
+    kv = make_engine(tiny_model_dir).spec.kv
+    per_token = kv.num_layers * 2 * kv.num_kv_heads * kv.head_dim * 4  # float32 K and V
+    prompt = encode_words("hello , who are you ?")  # the same history in both sessions
+    history_len = len(prompt) + 3
+    full = history_len - history_len % 4
+    # both histories' complete chunks once, plus each one's own tail
+    budget = (full + 2 * (history_len - full)) * per_token
+    assert history_len % 4 and budget < 2 * history_len * per_token
+    eng = LLMEngine(
+        EngineConfig(
+            model_dir=str(tiny_model_dir),
+            cache=CacheConfig(chunk_size=4),
+            sessions=SessionConfig(max_parked_kv_bytes=budget),
+        )
+    )
+    sids = [eng.create_session().session_id for _ in range(2)]
+    for i, sid in enumerate(sids):
+        eng.generate(dataclasses.replace(greedy(f"s{i}", prompt, 3), session_id=sid))
+        while eng.has_unfinished():
+            eng.step()
+    parked = [eng.sessions.get(sid).kv for sid in sids]
+    assert all(kv is not None for kv in parked) and eng.counters["session_kv_evicted"] == 0
+    assert parked[0][0] is parked[1][0]  # one copy of the shared chunk
 
 
 def test_session_reset_close_busy_and_unknown(tiny_model_dir: Path) -> None:

@@ -170,9 +170,27 @@ def test_session_kv_comes_first_and_waits_for_a_commit() -> None:
     seq = make_seq(PROMPT, session)
     assert not reuse.attach(seq)
     session.committing = False
-    session.kv, session.kv_len = runner.read_kv(donor.seq_id, 0, 6), 6
+    session.kv, session.kv_len = [runner.read_kv(donor.seq_id, 0, 6)], 6
     assert reuse.attach(seq) and seq.num_cached == 6 and session.kv is None
     assert reuse.counters == Counter(session_cached_tokens=6)
+
+
+def test_a_snapshot_shares_indexed_chunks_and_copies_the_rest() -> None:
+    runner = DictRunner()
+    reuse = make_reuse(runner)
+    seq = computed(runner, reuse)  # chunks 0 and 1 are in the index
+    first = chunk_keys(NS, PROMPT, CHUNK)[0]
+    reuse.prefix_index._entries.pop(first)  # as if evicted: chunk 0 must be copied
+    parked = reuse.snapshot(seq, 11)
+    assert [c[0][0].shape[1] for c in parked] == [4, 4, 3]  # copy, shared, tail copy
+    assert parked[1] is reuse.prefix_index.get(chunk_keys(NS, PROMPT, CHUNK)[1])
+    assert not any(np.shares_memory(parked[0][0][0], k) for k, _ in runner.kv[seq.seq_id])
+    np.testing.assert_array_equal(
+        join_chunks(parked)[1][1], runner.read_kv(seq.seq_id, 0, 11)[1][1]
+    )
+    # without an index everything is one copy
+    bare = make_reuse(runner, capacity=0)
+    assert [c[0][0].shape[1] for c in bare.snapshot(seq, 11)] == [11]
 
 
 def test_join_chunks_keeps_order() -> None:

@@ -475,14 +475,16 @@ class LLMEngine:
         """An aborted turn leaves the history as it was; keep its KV if we have it."""
         n = len(session.history)
         if seq.status is SeqStatus.RUNNING and self.runner.kv_len(seq.seq_id) >= n > 0:
-            session.kv, session.kv_len = self.runner.read_kv(seq.seq_id, 0, n), n
+            session.kv, session.kv_len = self.kv_reuse.snapshot(seq, n), n
 
     def _park_session(self, seq: Sequence) -> None:
         session = seq.session
         assert session is not None  # only session sequences commit
         n = self.runner.kv_len(seq.seq_id)
         if len(session.history) == n and session.session_id in self.sessions:
-            session.kv, session.kv_len = self.runner.read_kv(seq.seq_id, 0, n), n
+            # Chunks go to the prefix index first, so the parked KV shares them.
+            self.kv_reuse.store(seq)
+            session.kv, session.kv_len = self.kv_reuse.snapshot(seq, n), n
         session.committing = False
         self._retire(seq)
         self._enforce_parked_budget()
@@ -490,12 +492,19 @@ class LLMEngine:
     def _enforce_parked_budget(self) -> None:
         """Drop the least recently used parked session KV beyond the memory budget."""
         budget = self.config.sessions.max_parked_kv_bytes
-        parked = [s for s in self.sessions.list() if s.kv is not None]
-        total = sum(kv_nbytes(s.kv) for s in parked)
-        for session in sorted(parked, key=lambda s: s.last_used_at):
+        parked = [(s, s.kv) for s in self.sessions.list() if s.kv is not None]
+        # Sessions may share chunks (with the prefix index, and so with each
+        # other): count each chunk once, and free its bytes with its last holder.
+        holders: Counter[int] = Counter(id(c) for _, kv in parked for c in kv)
+        unique = {id(c): c for _, kv in parked for c in kv}
+        total = sum(kv_nbytes(c) for c in unique.values())
+        for session, kv in sorted(parked, key=lambda p: p[0].last_used_at):
             if total <= budget:
                 break
-            total -= kv_nbytes(session.kv)
+            for chunk in kv:
+                holders[id(chunk)] -= 1
+                if not holders[id(chunk)]:
+                    total -= kv_nbytes(chunk)
             session.kv, session.kv_len = None, 0
             self.counters["session_kv_evicted"] += 1
 

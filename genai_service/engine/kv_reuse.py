@@ -105,7 +105,7 @@ class KvReuse:
             if not session.kv_ready:
                 return False  # the previous turn's last token is computed this step
             if session.kv is not None:
-                self.runner.write_kv(seq.seq_id, session.kv)
+                self.runner.write_chunks(seq.seq_id, session.kv)
                 seq.num_computed = seq.num_cached = session.kv_len
                 session.kv, session.kv_len = None, 0
                 self.counters["session_cached_tokens"] += seq.num_cached
@@ -151,6 +151,25 @@ class KvReuse:
             if self.remote is not None:
                 self.remote.push(keys[i], layers)  # only reads them
         return copied
+
+    def snapshot(self, seq: Sequence, n: int) -> list[KvLayers]:
+        """The sequence's first ``n`` tokens of KV as chunks to park (a session
+        between turns). Complete chunks the prefix index holds are the index's
+        own arrays, shared rather than copied (nothing writes to them); the rest
+        is copied out of the runner, each run of missing chunks in one piece."""
+        size = self.chunk_size
+        keys = chunk_keys(self.namespace, seq.token_ids[: n - n % size], size)
+        chunks: list[KvLayers] = []
+        start = 0  # first token not yet in ``chunks``
+        for i, key in enumerate(keys):
+            if key in self.prefix_index:
+                if start < i * size:
+                    chunks.append(self.runner.read_kv(seq.seq_id, start, i * size))
+                chunks.append(self.prefix_index.get(key))
+                start = (i + 1) * size
+        if start < n:
+            chunks.append(self.runner.read_kv(seq.seq_id, start, n))
+        return chunks
 
     # -- internals ---------------------------------------------------------------
 

@@ -41,8 +41,9 @@ class Session:
     metadata: dict[str, str] = field(default_factory=dict)
     history: list[int] = field(default_factory=list)
     turns: int = 0
-    # KV of history[:kv_len] while parked; None while a turn runs or after reset.
-    kv: Any = None
+    # KV of history[:kv_len] while parked, as consecutive chunks (complete ones
+    # shared with the prefix index); None while a turn runs or after reset.
+    kv: list[Any] | None = None
     kv_len: int = 0
     running_request_id: str | None = None  # the turn in flight (user-visible "busy")
     committing: bool = False  # the last turn's final token is still being computed
