@@ -638,3 +638,24 @@ def test_a_request_id_already_in_flight_is_invalid_argument(channel: grpc.Channe
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert msg == "request_id: 'same-id' is already in flight"
     running.cancel()
+
+
+def test_the_engine_outbox_keeps_order_flushes_on_close_and_notes_a_broken_pipe() -> None:
+    import multiprocessing as mp
+
+    from genai_service.server.engine_process import _Outbox
+
+    reader, writer = mp.Pipe(duplex=False)
+    outbox = _Outbox(writer)
+    for i in range(200):
+        outbox.send(("outputs", [i]))
+    outbox.close()  # returns once everything queued is written
+    assert [reader.recv()[1][0] for _ in range(200)] == list(range(200))
+    assert not reader.poll() and not outbox.broken
+
+    reader, writer = mp.Pipe(duplex=False)
+    reader.close()  # the frontend is gone
+    outbox = _Outbox(writer)
+    outbox.send(("outputs", []))
+    outbox.close()
+    assert outbox.broken  # the engine loop stops on this

@@ -20,16 +20,21 @@ import contextlib
 import itertools
 import multiprocessing as mp
 import os
+import queue as queue_mod
+import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from ..config import EngineConfig
 from ..engine.request import GenerationRequest, RequestOutput
 from ..errors import GenAIError, Internal, InvalidArgument, Unavailable
+
+if TYPE_CHECKING:
+    from ..engine.engine import LLMEngine
 
 log = structlog.get_logger(__name__)
 
@@ -50,6 +55,40 @@ MAX_START_FAILURES = 5  # then the server exits non-zero (Kubernetes: CrashLoopB
 RESTART_BACKOFF_S = 0.5
 RESTART_BACKOFF_MAX_S = 30.0
 WAIT_POLL_S = 0.002
+
+
+class _Outbox:
+    """Messages to the frontend, sent in order by a thread of their own.
+
+    Pickling and writing a step's outputs, and the wake-up of the frontend
+    that the write causes, then overlap the next step's model run (which
+    releases the GIL) instead of delaying it (docs/benchmarks.md, "Engine
+    outbox thread").
+    """
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._queue: queue_mod.SimpleQueue[tuple[Any, ...] | None] = queue_mod.SimpleQueue()
+        self.broken = False  # the frontend is gone
+        self._thread = threading.Thread(target=self._run, name="engine-outbox", daemon=True)
+        self._thread.start()
+
+    def send(self, msg: tuple[Any, ...]) -> None:
+        self._queue.put(msg)
+
+    def close(self) -> None:
+        """Send what is queued, then stop."""
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (msg := self._queue.get()) is not None:
+            if self.broken:
+                continue
+            try:
+                self._conn.send(msg)
+            except (BrokenPipeError, OSError):
+                self.broken = True
 
 
 def _engine_main(config: EngineConfig, conn: Connection, log_format: str) -> None:
@@ -80,8 +119,22 @@ def _engine_main(config: EngineConfig, conn: Connection, log_format: str) -> Non
     plog.info("engine_ready", pid=os.getpid(), runner=engine.runner.kind)
 
     methods: dict[str, Callable[..., Any]] = {name: getattr(engine, name) for name in CALLABLE}
+    outbox = _Outbox(conn)
+    try:
+        _serve(engine, conn, outbox, methods, plog)
+    finally:
+        outbox.close()
 
-    while True:
+
+def _serve(
+    engine: LLMEngine,
+    conn: Connection,
+    outbox: _Outbox,
+    methods: dict[str, Callable[..., Any]],
+    plog: Any,
+) -> None:
+    """The engine process's loop: take messages, step, queue outputs."""
+    while not outbox.broken:
         # Block when there is nothing to step; nap briefly when the only work is
         # waiting on I/O (kvstore fetches, session records).
         if not engine.has_unfinished():
@@ -97,28 +150,28 @@ def _engine_main(config: EngineConfig, conn: Connection, log_format: str) -> Non
                 try:
                     engine.add_request(request)
                 except GenAIError as exc:
-                    conn.send(("rejected", request.request_id, exc))
+                    outbox.send(("rejected", request.request_id, exc))
                 except Exception as exc:
                     plog.exception("add_request_failed", request_id=request.request_id)
-                    conn.send(("rejected", request.request_id, Internal(str(exc))))
+                    outbox.send(("rejected", request.request_id, Internal(str(exc))))
             elif kind == "abort":
                 engine.abort(msg[1])
             elif kind == "call":
                 _, call_id, method, args = msg
                 try:
-                    conn.send(("result", call_id, True, methods[method](*args)))
+                    outbox.send(("result", call_id, True, methods[method](*args)))
                 except GenAIError as exc:
-                    conn.send(("result", call_id, False, exc))
+                    outbox.send(("result", call_id, False, exc))
                 except Exception as exc:
                     plog.exception("call_failed", method=method)
-                    conn.send(("result", call_id, False, Internal(f"{method}: {exc}")))
+                    outbox.send(("result", call_id, False, Internal(f"{method}: {exc}")))
             elif kind == "stop":
                 engine.close()
                 return
         if engine.has_unfinished():
             outputs = engine.step()
             if outputs:
-                conn.send(("outputs", outputs))
+                outbox.send(("outputs", outputs))
 
 
 class EngineProcess:
