@@ -426,3 +426,21 @@ def test_parked_session_kv_beyond_the_budget_is_dropped_and_recomputed(
     history = t1 + list(r1.token_ids)
     assert r2.usage.cached_tokens == 0  # recomputed, and still the same tokens
     assert list(r2.token_ids) == reference_greedy(tiny_model_dir, history + t2, 5)
+
+
+def test_merged_outputs_concatenate_and_keep_the_end_fields() -> None:
+    from genai_service.engine.request import (
+        FinishReason,
+        RequestOutput,
+        TokenLogprob,
+        Usage,
+        merge_outputs,
+    )
+
+    lp = TokenLogprob(5, "a", -0.5, ())
+    a = RequestOutput("r", (5,), "a", (lp,))
+    b = RequestOutput("r", (6, 7), "bc", (), True, FinishReason.MAX_TOKENS, usage=Usage(3, 3, 0))
+    merged = merge_outputs(a, b)
+    assert merged.token_ids == (5, 6, 7) and merged.text == "abc" and merged.logprobs == (lp,)
+    assert merged.finished and merged.finish_reason is FinishReason.MAX_TOKENS
+    assert merged.usage == Usage(3, 3, 0)

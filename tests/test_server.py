@@ -659,3 +659,23 @@ def test_the_engine_outbox_keeps_order_flushes_on_close_and_notes_a_broken_pipe(
     outbox.send(("outputs", []))
     outbox.close()
     assert outbox.broken  # the engine loop stops on this
+
+
+def test_steps_a_stalled_frontend_missed_arrive_as_one_delta(
+    server: ServerThread, channel: grpc.Channel
+) -> None:
+    stub = generate_pb2_grpc.GenerateServiceStub(channel)
+    n = 200
+    unary = stub.Generate(gen_request("the cat sat on the mat", n))
+    events = stub.GenerateStream(gen_request("the cat sat on the mat", n))
+    first = next(events)
+    # Stall the server's event loop while the engine keeps stepping: the
+    # outputs it sends meanwhile wait in the request's queue.
+    server.loop.call_soon_threadsafe(time.sleep, 1.0)
+    rest = list(events)
+    deltas = [e.delta for e in [first, *rest] if e.WhichOneof("event") == "delta"]
+    assert [t for d in deltas for t in d.token_ids] == list(unary.token_ids)
+    assert "".join(d.text for d in deltas) == unary.text
+    assert len(deltas) < n  # without merging: one delta per step, n of them
+    assert max(len(d.token_ids) for d in deltas) > 1
+    assert rest[-1].final.usage.completion_tokens == n

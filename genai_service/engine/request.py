@@ -7,7 +7,7 @@ by pickle and never carry protobuf (the servicers convert at the boundary).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 class FinishReason(enum.Enum):
@@ -144,6 +144,16 @@ class GenerationResult:
     seed: int | None
     session_id: str | None
     session_tokens: int
+
+
+def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one delta (``then``'s end fields)."""
+    return replace(
+        then,
+        token_ids=first.token_ids + then.token_ids,
+        text=first.text + then.text,
+        logprobs=first.logprobs + then.logprobs,
+    )
 
 
 def collect(outputs: list[RequestOutput]) -> GenerationResult:

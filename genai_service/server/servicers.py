@@ -114,7 +114,7 @@ class Frontend:
     async def events(
         self, request: generate_pb2.GenerateRequest
     ) -> AsyncIterator[generate_pb2.Delta | generate_pb2.Final]:
-        """A request's stream events: a Delta per step that produced tokens or
+        """A request's stream events: a Delta per output with tokens or
         text, then one Final (shared by GenerateStream and GenerateBidi)."""
         outputs: list[RequestOutput] = []
         async for out in self.outputs(await self.build_request(request)):
