@@ -34,9 +34,14 @@ def _metadata(auth_token: str | None) -> tuple[tuple[str, str], ...] | None:
     return (("authorization", f"Bearer {auth_token}"),) if auth_token else None
 
 
-def _put_frames(key: bytes, blob: bytes, digest_size: int) -> Iterator[kvstore_pb2.PutRequest]:
+def _put_frames(
+    key: bytes, blob: bytes, digest_size: int, replace: bool
+) -> Iterator[kvstore_pb2.PutRequest]:
     header = kvstore_pb2.BlobHeader(
-        key=key, total_size_bytes=len(blob), checksum=checksum(blob, digest_size)
+        key=key,
+        total_size_bytes=len(blob),
+        checksum=checksum(blob, digest_size),
+        replace=replace,
     )
     yield kvstore_pb2.PutRequest(header=header)
     for data in split_frames(blob):
@@ -167,11 +172,14 @@ class AsyncKvStoreClient:
             raise
         return assembler.blob()
 
-    async def put(self, key: bytes, blob: bytes, *, timeout_s: float | None = None) -> PutResult:
-        """Store ``blob`` under ``key`` (a no-op when ``key`` is already present)."""
+    async def put(
+        self, key: bytes, blob: bytes, *, replace: bool = False, timeout_s: float | None = None
+    ) -> PutResult:
+        """Store ``blob`` under ``key``: a no-op when ``key`` is already present,
+        unless ``replace`` (readers then see the old blob or the new one)."""
         _check_key(key)
         response = await self._stub.Put(
-            _put_frames(key, blob, self._digest_size),
+            _put_frames(key, blob, self._digest_size, replace),
             timeout=timeout_s or self._timeout_s,
             metadata=self._metadata,
         )
@@ -269,11 +277,14 @@ class KvStoreClient:
             raise
         return assembler.blob()
 
-    def put(self, key: bytes, blob: bytes, *, timeout_s: float | None = None) -> PutResult:
-        """Store ``blob`` under ``key`` (a no-op when ``key`` is already present)."""
+    def put(
+        self, key: bytes, blob: bytes, *, replace: bool = False, timeout_s: float | None = None
+    ) -> PutResult:
+        """Store ``blob`` under ``key``: a no-op when ``key`` is already present,
+        unless ``replace`` (readers then see the old blob or the new one)."""
         _check_key(key)
         response = self._stub.Put(
-            _put_frames(key, blob, self._digest_size),
+            _put_frames(key, blob, self._digest_size, replace),
             timeout=timeout_s or self._timeout_s,
             metadata=self._metadata,
         )

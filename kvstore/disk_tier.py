@@ -228,38 +228,48 @@ class DiskTier:
 
     async def get(self, key: bytes) -> StoredBlob | None:
         """The verified blob, or None when absent or corrupt (corrupt files are dropped)."""
-        entry = self._index.get(key)
-        if entry is None:
-            self._misses += 1
-            return None
-        self._index.move_to_end(key)
-        try:
-            blob = await asyncio.to_thread(_read_blob, self._path(key), key, entry)
-        except FileNotFoundError:  # deleted or evicted while we were reading
-            self._misses += 1
-            return None
-        except (CorruptFileError, OSError) as exc:
-            self._misses += 1
-            self._checksum_failures += 1
-            log.warning("dropping corrupt blob file", key=key.hex(), reason=str(exc))
-            await self._drop(key, entry)
-            return None
-        self._hits += 1
-        return blob
+        for attempt in range(2):
+            entry = self._index.get(key)
+            if entry is None:
+                self._misses += 1
+                return None
+            self._index.move_to_end(key)
+            try:
+                blob = await asyncio.to_thread(_read_blob, self._path(key), key, entry)
+            except FileNotFoundError:  # deleted or evicted while we were reading
+                self._misses += 1
+                return None
+            except (CorruptFileError, OSError) as exc:
+                # A replacement renames its file and updates the index under the
+                # lock: once we hold it, a changed entry means we read a newer file.
+                async with self._lock:
+                    replaced = self._index.get(key) not in (None, entry)
+                if attempt == 0 and replaced:
+                    continue
+                self._misses += 1
+                self._checksum_failures += 1
+                log.warning("dropping corrupt blob file", key=key.hex(), reason=str(exc))
+                await self._drop(key, entry)
+                return None
+            self._hits += 1
+            return blob
+        return None  # unreachable: the second attempt always returns
 
-    async def put(self, key: bytes, blob: StoredBlob) -> bool:
+    async def put(self, key: bytes, blob: StoredBlob, replace: bool = False) -> bool:
         """Write ``blob`` durably, evicting LRU files; False when it can never fit.
 
+        A present key keeps its file unless ``replace``: then the new file is
+        renamed over the old one, so a reader opens one or the other.
         Raises OSError when the write fails (e.g. the disk is full).
         """
-        if key in self._index:
+        if key in self._index and not replace:
             self._index.move_to_end(key)
             return True
         if not self.fits(len(blob.data)):
             return False
         tmp = await asyncio.to_thread(_write_temp, self.directory, key, blob)
         async with self._lock:
-            if key in self._index:  # a concurrent Put of the same key won
+            if key in self._index and not replace:  # a concurrent Put of the same key won
                 await asyncio.to_thread(_unlink_all, [tmp])
                 return True
             try:
@@ -267,6 +277,9 @@ class DiskTier:
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
+            old = self._index.pop(key, None)
+            if old is not None:
+                self._size_bytes -= old.size_bytes
             self._index[key] = _Entry(len(blob.data), blob.checksum)
             self._size_bytes += len(blob.data)
             victims = self._evict_over_capacity()

@@ -56,14 +56,21 @@ class MemoryTier:
         self._hits += 1
         return blob
 
-    def put(self, key: bytes, blob: StoredBlob) -> bool:
-        """Store ``blob``, evicting LRU blobs to make room; False when it can never fit."""
-        if key in self._blobs:
+    def put(self, key: bytes, blob: StoredBlob, replace: bool = False) -> bool:
+        """Store ``blob``, evicting LRU blobs to make room; False when it can never fit.
+
+        A present key keeps its blob unless ``replace``; a replaced blob is
+        swapped in one step (no moment without either).
+        """
+        if key in self._blobs and not replace:
             self._blobs.move_to_end(key)
             return True
         size = len(blob.data)
         if not self.fits(size):
             return False
+        old = self._blobs.pop(key, None)
+        if old is not None:
+            self._size_bytes -= len(old.data)
         while self._size_bytes + size > self.capacity_bytes:
             _, evicted = self._blobs.popitem(last=False)
             self._size_bytes -= len(evicted.data)

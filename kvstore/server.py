@@ -177,8 +177,8 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
                     raise InvalidArgument(f"frame 0 is {kind!r}; a Put starts with a header frame")
                 header = frame.header
                 self._check_header(header)
-                if self._store.contains(header.key):
-                    # Immutable blobs: answer now and let the client stop sending.
+                if not header.replace and self._store.contains(header.key):
+                    # Blobs are kept as first stored: answer now, the client stops sending.
                     return kvstore_pb2.PutResponse(already_present=True)
                 self._store.check_fits(header.total_size_bytes)
                 hasher = hashlib.blake2b(digest_size=len(header.checksum))
@@ -205,7 +205,8 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
                 f"blob of {received} bytes does not match total_size_bytes="
                 f"{header.total_size_bytes} and its checksum; nothing stored"
             )
-        result = await self._store.put(header.key, StoredBlob(b"".join(chunks), header.checksum))
+        blob = StoredBlob(b"".join(chunks), header.checksum)
+        result = await self._store.put(header.key, blob, replace=header.replace)
         log.debug("put", key=header.key.hex(), size_bytes=received, **dataclasses.asdict(result))
         return kvstore_pb2.PutResponse(**dataclasses.asdict(result))
 

@@ -31,6 +31,6 @@ class StoreStats:
 class PutResult:
     """Where a Put went."""
 
-    already_present: bool  # key existed: nothing stored (blobs are immutable)
+    already_present: bool  # key existed and replace was not asked: nothing stored
     stored_in_memory: bool
     stored_on_disk: bool

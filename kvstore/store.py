@@ -1,12 +1,15 @@
 """The tiered blob store behind the KvStore servicer: memory first, disk behind it.
 
 Puts write through to both tiers (memory for speed, disk for restarts), so
-memory evictions simply forget. A disk hit is promoted to memory. Blobs are
-immutable: a Put of a present key, or of a key another Put is storing right
-now, changes nothing.
+memory evictions simply forget. A disk hit is promoted to memory. A Put of a
+present key, or of a key another Put is storing right now, changes nothing,
+unless it asks to replace: replacements of one key are serialised, and each
+tier swaps the blob in one step, so a Get sees the old blob or the new one.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import structlog
 
@@ -25,6 +28,7 @@ class BlobStore:
         self.memory = memory
         self.disk = disk
         self._storing: set[bytes] = set()  # keys whose Put is between check and commit
+        self._replacing: dict[bytes, asyncio.Lock] = {}  # one replacement of a key at a time
         self.put_checksum_failures = 0
 
     async def open(self) -> None:
@@ -60,24 +64,40 @@ class BlobStore:
             f"blob of {size_bytes} bytes exceeds every tier's capacity (largest: {capacity} bytes)"
         )
 
-    async def put(self, key: bytes, blob: StoredBlob) -> PutResult:
-        """Store a verified blob in every tier it fits in."""
+    async def put(self, key: bytes, blob: StoredBlob, replace: bool = False) -> PutResult:
+        """Store a verified blob in every tier it fits in (over the stored one
+        when ``replace``)."""
+        if replace:
+            lock = self._replacing.setdefault(key, asyncio.Lock())
+            try:
+                async with lock:
+                    return await self._put(key, blob, replace=True)
+            finally:
+                if not lock.locked() and self._replacing.get(key) is lock:
+                    del self._replacing[key]
         if self.contains(key) or key in self._storing:
             return PutResult(already_present=True, stored_in_memory=False, stored_on_disk=False)
-        self.check_fits(len(blob.data))
         self._storing.add(key)
         try:
-            in_memory = self.memory.put(key, blob)
-            on_disk = False
-            if self.disk is not None:
-                try:
-                    on_disk = await self.disk.put(key, blob)
-                except OSError as exc:
-                    log.error("disk tier write failed", key=key.hex(), error=str(exc))
-                    if not in_memory:
-                        raise Internal(f"disk tier write failed: {exc}") from exc
+            return await self._put(key, blob, replace=False)
         finally:
             self._storing.discard(key)
+
+    async def _put(self, key: bytes, blob: StoredBlob, replace: bool) -> PutResult:
+        self.check_fits(len(blob.data))
+        in_memory = self.memory.put(key, blob, replace=replace)
+        if replace and not in_memory:
+            self.memory.delete(key)  # the old blob must not outlive its replacement
+        on_disk = False
+        if self.disk is not None:
+            try:
+                on_disk = await self.disk.put(key, blob, replace=replace)
+            except OSError as exc:
+                log.error("disk tier write failed", key=key.hex(), error=str(exc))
+                if replace:
+                    await self.disk.delete(key)  # nor resurface after a restart
+                if not in_memory:
+                    raise Internal(f"disk tier write failed: {exc}") from exc
         return PutResult(already_present=False, stored_in_memory=in_memory, stored_on_disk=on_disk)
 
     async def delete(self, key: bytes) -> bool:

@@ -365,7 +365,7 @@ def test_records_put_get_replace_delete(kvstore: KvStoreThread, connect: Connect
     assert owner.flush(WAIT_S)
     assert other.get_record(key, timeout_s=2.0) == b"v1"
 
-    owner.put_record(key, b"v2")  # the store never overwrites: Delete then Put
+    owner.put_record(key, b"v2")  # one Put that replaces v1
     assert owner.flush(WAIT_S)
     assert other.get_record(key, timeout_s=2.0) == b"v2"
 

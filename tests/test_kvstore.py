@@ -288,6 +288,54 @@ async def test_put_existing_key_is_a_noop(start: StartServer) -> None:
 
 
 @pytest.mark.asyncio
+async def test_replace_swaps_the_blob_in_every_tier_and_survives_restart(
+    start: StartServer, tmp_path: Path
+) -> None:
+    settings = {"memory_bytes": 4 * MiB, "disk_dir": str(tmp_path), "disk_bytes": 16 * MiB}
+    key = b"session:" + b"0f" * 16
+    server = await start(**settings)
+    async with _client(server) as client:
+        assert not (await client.put(key, b"v1")).already_present
+        assert (await client.put(key, b"v2")).already_present  # no replace: kept as first stored
+        result = await client.put(key, b"version 3", replace=True)
+        assert not result.already_present and result.stored_in_memory and result.stored_on_disk
+        assert await client.get(key) == b"version 3"
+        stats = await client.stats()
+    assert stats.memory.entries == 1 and stats.memory.size_bytes == len(b"version 3")
+    assert stats.disk is not None and stats.disk.size_bytes == len(b"version 3")
+    await server.stop(0)
+    server = await start(**settings)
+    async with _client(server) as client:
+        assert await client.get(key) == b"version 3"  # from the disk tier
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("memory_bytes", [4 * MiB, 0])  # 0: every Get reads the disk file
+async def test_readers_never_miss_a_record_being_replaced(
+    start: StartServer, tmp_path: Path, memory_bytes: int
+) -> None:
+    server = await start(memory_bytes=memory_bytes, disk_dir=str(tmp_path))
+    key = b"session:" + b"ab" * 16
+    versions = [_blob(64 * 1024, seed=i) for i in range(20)]
+    async with _client(server) as client:
+        await client.put(key, versions[0])
+
+        async def writer() -> None:
+            for blob in versions[1:]:
+                await client.put(key, blob, replace=True)
+
+        async def reader() -> list[bytes | None]:
+            return [await client.get(key) for _ in range(40)]
+
+        _, *reads = await asyncio.gather(writer(), reader(), reader())
+        assert await client.get(key) == versions[-1]
+        stats = await client.stats()
+    seen = [blob for r in reads for blob in r]
+    assert all(blob in versions for blob in seen)  # never None, never a torn blob
+    assert stats.disk is not None and stats.disk.checksum_failures == 0
+
+
+@pytest.mark.asyncio
 async def test_sync_client(start: StartServer) -> None:
     server = await start()
 

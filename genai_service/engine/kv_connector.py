@@ -11,9 +11,8 @@ is a miss: logged (rate-limited), counted, never raised.
 for engine tests.
 
 Session records (small mutable blobs under ``session:<id>``) share the store.
-The kvstore's blobs are immutable (a Put of a present key is a no-op), so a
-record is replaced by Delete then Put, serialised per key on one worker; see
-``KvChunkStore.put_record``.
+A record is replaced by one Put with ``replace`` set (chunks never are),
+serialised per key on one worker; see ``KvChunkStore.put_record``.
 """
 
 from __future__ import annotations
@@ -126,9 +125,9 @@ class KvChunkStore(ABC):
         """Create or replace the record under ``key`` in the background.
 
         Writes to one key land in call order and the last one wins; pending
-        writes to the same key are coalesced. The kvstore never overwrites a
-        blob, so a replacement is Delete then Put: a reader on another replica
-        can miss the record for that one round trip.
+        writes to the same key are coalesced. A replacement is one Put with
+        ``replace`` set, so a reader on another replica sees the old record or
+        the new one, never neither.
         """
 
     @abstractmethod
@@ -543,13 +542,7 @@ class GrpcKvChunkStore(_CountingStore):
 
     async def _replace_record(self, key: bytes, data: bytes | None) -> None:
         async with asyncio.timeout(self.timeout_s):
-            await self._record_client.delete(key)
             if data is None:
-                return
-            # Another replica may write the same key between our Delete and Put;
-            # one more round settles it (the last writer in this process wins).
-            for _ in range(2):
-                if not (await self._record_client.put(key, data)).already_present:
-                    return
                 await self._record_client.delete(key)
-            raise RuntimeError("record kept being re-created by another writer")
+            else:
+                await self._record_client.put(key, data, replace=True)
