@@ -28,7 +28,8 @@ class BlobStore:
         self.memory = memory
         self.disk = disk
         self._storing: set[bytes] = set()  # keys whose Put is between check and commit
-        self._replacing: dict[bytes, asyncio.Lock] = {}  # one replacement of a key at a time
+        # One replacement of a key at a time: its lock and how many Puts use it.
+        self._replacing: dict[bytes, tuple[asyncio.Lock, int]] = {}
         self.put_checksum_failures = 0
 
     async def open(self) -> None:
@@ -68,12 +69,16 @@ class BlobStore:
         """Store a verified blob in every tier it fits in (over the stored one
         when ``replace``)."""
         if replace:
-            lock = self._replacing.setdefault(key, asyncio.Lock())
+            lock, users = self._replacing.get(key, (asyncio.Lock(), 0))
+            self._replacing[key] = (lock, users + 1)
             try:
                 async with lock:
                     return await self._put(key, blob, replace=True)
             finally:
-                if not lock.locked() and self._replacing.get(key) is lock:
+                lock, users = self._replacing[key]
+                if users > 1:
+                    self._replacing[key] = (lock, users - 1)
+                else:
                     del self._replacing[key]
         if self.contains(key) or key in self._storing:
             return PutResult(already_present=True, stored_in_memory=False, stored_on_disk=False)

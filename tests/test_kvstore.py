@@ -533,3 +533,21 @@ def test_cli_serves_until_sigterm(tmp_path: Path) -> None:
             proc.wait(timeout=5)
         if proc.stderr is not None:
             proc.stderr.close()
+
+
+@pytest.mark.asyncio
+async def test_concurrent_replacements_leave_both_tiers_agreeing(
+    start: StartServer, tmp_path: Path
+) -> None:
+    settings = {"memory_bytes": 4 * MiB, "disk_dir": str(tmp_path)}
+    key = b"session:" + b"cd" * 16
+    server = await start(**settings)
+    async with _client(server) as client:
+        await asyncio.gather(
+            *(client.put(key, _blob(32 * 1024, seed=i), replace=True) for i in range(12))
+        )
+        in_memory = await client.get(key)
+    await server.stop(0)
+    server = await start(**settings)  # memory empty: the disk tier's copy
+    async with _client(server) as client:
+        assert await client.get(key) == in_memory
