@@ -212,7 +212,8 @@ def markdown(r: Results) -> str:
     if noisy is not None:
         lines.append(
             f"- Before each rep the run waited for a quiet moment "
-            f"({meta.get('waited_for_quiet_s', 0)} s in all); "
+            f"({meta.get('waited_for_quiet_s', 0)} s in all), and the engines took turns "
+            f"going first in it; "
             f"{len(meta.get('retried_reps', []))} rep(s) were rerun with fresh prompts because "
             f"other work took > {meta.get('noisy_threshold_cores')} cores meanwhile; "
             f"{len(noisy)} rep(s) stayed that disturbed (`meta.noisy_measurements`)."
