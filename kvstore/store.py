@@ -91,18 +91,23 @@ class BlobStore:
     async def _put(self, key: bytes, blob: StoredBlob, replace: bool) -> PutResult:
         self.check_fits(len(blob.data))
         in_memory = self.memory.put(key, blob, replace=replace)
-        if replace and not in_memory:
-            self.memory.delete(key)  # the old blob must not outlive its replacement
         on_disk = False
+        disk_error: OSError | None = None
         if self.disk is not None:
             try:
                 on_disk = await self.disk.put(key, blob, replace=replace)
             except OSError as exc:
                 log.error("disk tier write failed", key=key.hex(), error=str(exc))
-                if replace:
-                    await self.disk.delete(key)  # nor resurface after a restart
-                if not in_memory:
-                    raise Internal(f"disk tier write failed: {exc}") from exc
+                disk_error = exc
+        if replace:
+            # A tier that did not take the new blob (too large for it, or a
+            # failed write) must not keep serving, or resurface, the old one.
+            if not in_memory:
+                self.memory.delete(key)
+            if not on_disk and self.disk is not None:
+                await self.disk.delete(key)
+        if disk_error is not None and not in_memory:
+            raise Internal(f"disk tier write failed: {disk_error}") from disk_error
         return PutResult(already_present=False, stored_in_memory=in_memory, stored_on_disk=on_disk)
 
     async def delete(self, key: bytes) -> bool:

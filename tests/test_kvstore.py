@@ -310,6 +310,23 @@ async def test_replace_swaps_the_blob_in_every_tier_and_survives_restart(
 
 
 @pytest.mark.asyncio
+async def test_a_replacement_too_large_for_the_disk_drops_the_old_disk_copy(
+    start: StartServer, tmp_path: Path
+) -> None:
+    settings = {"memory_bytes": 8 * MiB, "disk_dir": str(tmp_path), "disk_bytes": MiB}
+    key = b"session:" + b"ef" * 16
+    server = await start(**settings)
+    async with _client(server) as client:
+        assert (await client.put(key, b"old")).stored_on_disk
+        result = await client.put(key, _blob(2 * MiB), replace=True)  # memory only
+        assert result.stored_in_memory and not result.stored_on_disk
+    await server.stop(0)
+    server = await start(**settings)
+    async with _client(server) as client:
+        assert await client.get(key) is None  # never the replaced b"old"
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("memory_bytes", [4 * MiB, 0])  # 0: every Get reads the disk file
 async def test_readers_never_miss_a_record_being_replaced(
     start: StartServer, tmp_path: Path, memory_bytes: int
