@@ -254,6 +254,83 @@ def test_prefix_reuse_reports_cached_tokens_and_same_tokens(tiny_model_dir: Path
     assert again.token_ids == want.token_ids
 
 
+def _until_finished(engine: LLMEngine, rid: str) -> list:
+    outs: list = []
+    for _ in range(200):
+        outs += [o for o in engine.step() if o.request_id == rid]
+        if outs and outs[-1].finished:
+            return outs
+    raise AssertionError(f"{rid} did not finish")
+
+
+@pytest.mark.parametrize(
+    ("variant", "runner"), [("rope", "past_present"), ("gqa", "shared_buffer")]
+)
+def test_chunks_are_copied_after_the_final_output_not_while_streaming(
+    tiny_models: dict[str, Path], variant: str, runner: str
+) -> None:
+    engine = make_engine(tiny_models[variant], runner=RunnerConfig(runner=runner))
+    reads: list[tuple] = []
+    read_kv = engine.runner.read_kv
+    engine.runner.read_kv = lambda *a: reads.append(a) or read_kv(*a)  # type: ignore[method-assign]
+    prompt = encode_words("the cat sat on the mat and the dog sat in the box")  # 13 tokens
+    engine.add_request(greedy("a", prompt, 6))
+    _until_finished(engine, "a")
+    assert reads == [] and len(engine.prefix_index) == 0  # nothing copied while "a" streamed
+    assert engine.has_unfinished()  # its chunks are still to share
+    assert engine.step() == []
+    # 13 + 6 tokens, the last one without KV yet: 18 positions, four chunks of 4
+    assert [(a[1], a[2]) for a in reads] == [(0, 4), (4, 8), (8, 12), (12, 16)]
+    assert len(engine.prefix_index) == 4
+    assert engine.runner.kv_len(0) == 0 and not engine.has_unfinished()  # slot freed
+
+
+def test_a_prompt_reuses_the_chunks_of_a_sequence_still_running(tiny_model_dir: Path) -> None:
+    prefix = encode_words("the cat sat on the mat and the dog sat in the box")  # 13 tokens
+    a = prefix + encode_words(". who is it ?")
+    b = prefix + encode_words("with a hat ?")
+    engine = make_engine(tiny_model_dir)
+    outs: dict[str, list] = {"a": [], "b": []}
+    engine.add_request(greedy("a", a, 30))
+    for step in range(200):
+        if step == 3:
+            assert len(engine.prefix_index) == 0  # "a" decodes; its chunks are not copied yet
+            engine.add_request(greedy("b", b, 10))
+        for out in engine.step():
+            outs[out.request_id].append(out)
+        if not engine.has_unfinished():
+            break
+    second = collect(outs["b"])
+    assert second.usage.cached_tokens == 12  # shared on demand from "a"'s slot
+    assert list(second.token_ids) == reference_greedy(tiny_model_dir, b, 10)
+    assert list(collect(outs["a"]).token_ids) == reference_greedy(tiny_model_dir, a, 30)
+
+
+def test_finished_chunks_are_copied_a_few_per_step_unless_a_request_needs_the_slot(
+    tiny_model_dir: Path,
+) -> None:
+    prompt = encode_words("the cat sat on the mat and the dog sat in the box")  # 13 tokens
+    engine = make_engine(tiny_model_dir, scheduler=SchedulerConfig(max_num_seqs=2))
+    reads: list[tuple] = []
+    read_kv = engine.runner.read_kv
+    engine.runner.read_kv = lambda *a: reads.append(a) or read_kv(*a)  # type: ignore[method-assign]
+    engine.add_request(greedy("long", "hello", 40))
+    engine.add_request(greedy("a", prompt, 6))
+    _until_finished(engine, "a")
+    engine.step()  # "long" still decodes: two of "a"'s four chunks
+    assert len(reads) == 2
+    engine.step()
+    assert len(reads) == 4
+    # One slot: "c" waits for "b"'s, so "b"'s chunks are all copied at once.
+    engine = make_engine(tiny_model_dir, scheduler=SchedulerConfig(max_num_seqs=1))
+    engine.add_request(greedy("b", prompt, 6))
+    engine.add_request(greedy("c", "two birds", 3))
+    _until_finished(engine, "b")
+    first = engine.step()
+    assert len(engine.prefix_index) == 4
+    assert [o.request_id for o in first] == ["c"] and first[0].token_ids  # admitted at once
+
+
 def test_context_limit_yields_the_rest_of_the_window(short_context_model_dir: Path) -> None:
     engine = make_engine(short_context_model_dir)
     assert engine.context_length == 16

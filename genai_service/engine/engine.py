@@ -54,7 +54,7 @@ from .validation import resolve_max_new_tokens, validate_request
 
 log = structlog.get_logger(__name__)
 
-STORE_CHUNKS_PER_STEP = 2  # prefix chunks copied out per step (see _store_some)
+STORE_CHUNKS_PER_STEP = 2  # chunks of finished sequences copied out per busy step (_store_finished)
 DEFAULT_CONTEXT_LENGTH = 2048  # when neither the graph nor a config says
 DETOKENIZER_CONTEXT = 8  # prompt tokens given to the detokenizer as left context
 
@@ -117,7 +117,9 @@ class LLMEngine:
         # Final outputs of session turns waiting for their record to land in
         # the kvstore: (record key, give-up time, output).
         self._held: list[tuple[bytes, float, RequestOutput]] = []
-        self._to_store: list[Sequence] = []  # prompts whose chunks are being shared
+        # Finished sequences whose slots are kept until their chunks are shared:
+        # the copies are made after their final outputs have gone out.
+        self._finished_kv: list[Sequence] = []
         self.last_step_idle = False  # the last step computed nothing (waiting on I/O)
 
     # -- public API ------------------------------------------------------------
@@ -177,7 +179,7 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self._pending or self._held) or self.scheduler.has_work()
+        return bool(self._pending or self._held or self._finished_kv) or self.scheduler.has_work()
 
     def close(self) -> None:
         """Release background resources (the kvstore connector)."""
@@ -205,10 +207,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         outputs.extend(self._release_held())
-        self._store_some()
+        stored = self._store_finished()
         self._expire()
         batch = self.scheduler.schedule()
-        self.last_step_idle = not batch
+        self.last_step_idle = not batch and not stored
         if not batch:
             return outputs
         items = [
@@ -244,6 +246,7 @@ class LLMEngine:
                     outputs[out.request_id].append(out)
             if self.last_step_idle:
                 time.sleep(0.001)  # waiting on the kvstore, not on compute
+        self.flush_finished()
         return {rid: collect(outs) for rid, outs in outputs.items()}
 
     def generate(self, request: GenerationRequest) -> GenerationResult:
@@ -337,9 +340,7 @@ class LLMEngine:
             elif seq.num_pending == 0:
                 to_sample.append(i)
                 if not seq.output_ids:
-                    # Prompt done: share its chunks soon, but after this step's
-                    # first token is out (copying them takes a while).
-                    self._to_store.append(seq)
+                    self.kv_reuse.track(seq)  # prompt done: its chunks are shareable
         if not to_sample:
             return []
         seqs = [items[i][0] for i in to_sample]
@@ -452,24 +453,43 @@ class LLMEngine:
             self._pending.append(out)
         return out
 
-    def _store_some(self) -> None:
-        """Copy a few chunks of finished prompts into the prefix index / kvstore
-        per step, so a long prompt's store never stalls running streams much."""
-        budget = STORE_CHUNKS_PER_STEP
-        while self._to_store and budget > 0:
-            seq = self._to_store[0]
-            if seq.status is SeqStatus.RUNNING:
-                budget -= self.kv_reuse.store(seq, max_chunks=budget)
-                if seq.stored_chunks < self.runner.kv_len(seq.seq_id) // self.chunk_size:
-                    break
-            self._to_store.pop(0)
+    def _store_finished(self) -> int:
+        """Share the chunks of sequences that finished in earlier steps (their
+        final outputs have gone out), then free their slots. While other
+        sequences run, a few chunks per step, so a long context's copy never
+        stalls them much (all at once when a waiting request may need a slot);
+        returns the chunks copied."""
+        scheduler = self.scheduler
+        slots_short = scheduler.num_waiting > 0 and (
+            len(scheduler.running) + len(self._finished_kv) >= self.config.scheduler.max_num_seqs
+        )
+        budget = STORE_CHUNKS_PER_STEP if scheduler.has_work() and not slots_short else None
+        copied = 0
+        while self._finished_kv and (budget is None or copied < budget):
+            seq = self._finished_kv[0]
+            copied += self.kv_reuse.store(seq, None if budget is None else budget - copied)
+            if self.kv_reuse.unstored(seq):
+                break
+            self._finished_kv.pop(0)
+            self.runner.release(seq.seq_id)
+        return copied
+
+    def flush_finished(self) -> None:
+        """Share every finished sequence's chunks and free their slots now."""
+        for seq in self._finished_kv:
+            self.kv_reuse.store(seq)
+            self.runner.release(seq.seq_id)
+        self._finished_kv.clear()
 
     def _retire(self, seq: Sequence) -> None:
-        if seq.status is SeqStatus.RUNNING or seq.status is SeqStatus.COMMITTING:
-            self.kv_reuse.store(seq)
+        shareable = seq.status is SeqStatus.RUNNING or seq.status is SeqStatus.COMMITTING
         seq.status = SeqStatus.FINISHED
         self.scheduler.remove(seq)
-        self.runner.release(seq.seq_id)
+        if shareable and self.kv_reuse.unstored(seq):
+            self._finished_kv.append(seq)  # stored and released by a later step
+        else:
+            self.kv_reuse.untrack(seq)
+            self.runner.release(seq.seq_id)
 
     def _restore_session_after_abort(self, seq: Sequence, session: Session) -> None:
         """An aborted turn leaves the history as it was; keep its KV if we have it."""

@@ -53,6 +53,11 @@ class KvReuse:
         self.prefix_index = PrefixIndex(prefix_cache_bytes)
         self.remote = remote
         self.counters: Counter[str] = Counter() if counters is None else counters
+        # Running sequences whose computed chunks are not all shared yet. Copying
+        # a chunk out of the runner takes milliseconds (mostly page faults of
+        # fresh memory), so it waits until the sequence finishes and its last
+        # token is out, unless a new prompt needs the chunks sooner (``_share_running``).
+        self._unshared: list[Sequence] = []
 
     @classmethod
     def for_model(
@@ -83,6 +88,12 @@ class KvReuse:
         )
         return cls(runner, namespace, chunk_size, config.cache.prefix_cache_bytes, remote, counters)
 
+    def track(self, seq: Sequence) -> None:
+        """``seq``'s prompt is computed: share its chunks when it finishes
+        (``store``), or as soon as another prompt begins with them."""
+        if self.prefix_index.capacity_bytes or self.remote is not None:
+            self._unshared.append(seq)
+
     def start_prefetch(self, seq: Sequence) -> None:
         """Ask the kvstore for the prompt's chunks the local index lacks (background)."""
         if self.remote is None:
@@ -91,6 +102,7 @@ class KvReuse:
         if session is not None and (session.kv is not None or session.committing):
             return  # its KV is resident
         keys = self._prompt_keys(seq)
+        self._share_running(keys)
         local = self._local_run(keys)
         if local < len(keys):
             seq.prefix_keys, seq.prefetch_from = keys, local
@@ -117,6 +129,7 @@ class KvReuse:
                 return True
         if self.prefix_index.capacity_bytes and seq.num_computed == 0:
             keys = self._prompt_keys(seq)
+            self._share_running(keys)
             hits = self.prefix_index.match(keys)
             if hits:
                 n = self._write(seq, self.prefix_index.gather(keys[:hits]))
@@ -127,12 +140,12 @@ class KvReuse:
     def store(self, seq: Sequence, max_chunks: int | None = None) -> int:
         """Put the sequence's complete, not yet stored chunks (at most
         ``max_chunks``) into the prefix index and push them to the kvstore;
-        returns how many were copied."""
-        if not self.prefix_index.capacity_bytes and self.remote is None:
+        returns how many were copied. A sequence whose chunks are all stored
+        is no longer tracked."""
+        if not self.unstored(seq):
+            self.untrack(seq)
             return 0
         n_chunks = self.runner.kv_len(seq.seq_id) // self.chunk_size
-        if n_chunks <= seq.stored_chunks:
-            return 0
         keys = chunk_keys(
             self.namespace, seq.token_ids[: n_chunks * self.chunk_size], self.chunk_size
         )
@@ -150,7 +163,20 @@ class KvReuse:
                 self.prefix_index.put(keys[i], layers, copy=False)
             if self.remote is not None:
                 self.remote.push(keys[i], layers)  # only reads them
+        if seq.stored_chunks == n_chunks:
+            self.untrack(seq)
         return copied
+
+    def unstored(self, seq: Sequence) -> int:
+        """Complete chunks of ``seq`` that ``store`` would still copy out."""
+        if not self.prefix_index.capacity_bytes and self.remote is None:
+            return 0
+        return max(0, self.runner.kv_len(seq.seq_id) // self.chunk_size - seq.stored_chunks)
+
+    def untrack(self, seq: Sequence) -> None:
+        """Forget a tracked sequence (stored, or its KV is not to be shared)."""
+        if seq in self._unshared:
+            self._unshared.remove(seq)
 
     def snapshot(self, seq: Sequence, n: int) -> list[KvLayers]:
         """The sequence's first ``n`` tokens of KV as chunks to park (a session
@@ -172,6 +198,25 @@ class KvReuse:
         return chunks
 
     # -- internals ---------------------------------------------------------------
+
+    def _share_running(self, keys: list[bytes]) -> None:
+        """Store the chunks of running sequences that a new prompt with chunk
+        ``keys`` begins with, so it reuses them instead of recomputing."""
+        if not self._unshared or not keys:
+            return
+        i = self._local_run(keys)  # the first chunk the index lacks
+        if i == len(keys):
+            return
+        size = self.chunk_size
+        for other in list(self._unshared):
+            if self.runner.kv_len(other.seq_id) < (i + 1) * size or other.stored_chunks > i:
+                continue
+            # Keys chain over the whole prefix: equal i-th keys, equal prefixes.
+            if chunk_keys(self.namespace, other.token_ids[: (i + 1) * size], size)[i] == keys[i]:
+                self.store(other)
+                i = self._local_run(keys)
+                if i == len(keys):
+                    return
 
     def _prompt_keys(self, seq: Sequence) -> list[bytes]:
         return chunk_keys(self.namespace, seq.token_ids[: seq.prompt_len], self.chunk_size)
