@@ -344,14 +344,16 @@ class LLMEngine:
         if not to_sample:
             return []
         seqs = [items[i][0] for i in to_sample]
+        if len(to_sample) < len(logits):
+            logits = logits[to_sample]  # a copy: only when some rows are not sampled
         if all(plain_greedy(seq) for seq in seqs):
             # The common case needs no sampler set-up: a row-wise argmax.
-            tokens = np.argmax(logits[to_sample], axis=1)
+            tokens = np.argmax(logits, axis=1)
             return [
                 self._append_token(seq, int(t), None) for seq, t in zip(seqs, tokens, strict=True)
             ]
         rows = [sampling_row(seq, self.spec.sampling_defaults) for seq in seqs]
-        sampled = sampling.sample(logits[to_sample], sampling.prepare(rows))
+        sampled = sampling.sample(logits, sampling.prepare(rows))
         outputs = []
         for j, seq in enumerate(seqs):
             lp = None

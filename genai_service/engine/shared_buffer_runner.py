@@ -169,8 +169,15 @@ class SharedBufferRunner(ModelRunner):
                     f"the KV buffer length {self.max_len}"
                 )
             self._ensure_slot(item.seq_id)
-        logits = np.empty((len(items), self.spec.vocab_size), np.float32)
         decodes: dict[int, int] = {}  # slot -> item index
+        if all(len(item.token_ids) == 1 for item in items):
+            # Plain batched decode (the common step): when the items are the
+            # active slots in order, the ORT output is the answer, no copy.
+            for i, item in enumerate(items):
+                decodes[self._slot[item.seq_id]] = i
+            if list(decodes) == list(range(len(items))):
+                return self._decode(items, decodes)
+        logits = np.empty((len(items), self.spec.vocab_size), np.float32)
         # Prefill chunks first, one sequence at a time on its own slot row.
         for i, item in enumerate(items):
             if len(item.token_ids) == 1:
@@ -181,19 +188,26 @@ class SharedBufferRunner(ModelRunner):
             logits[i] = self._run(slot, slot + 1, ids, [item.start])[0]
             self._len[item.seq_id] = item.start + len(item.token_ids)
         if decodes:
-            rows = max(decodes) + 1
-            ids = np.zeros((rows, 1), np.int64)  # dummy rows decode token 0, dropped below
-            lens = []
-            for slot in range(rows):
-                owner = self._owner[slot]
-                lens.append(self._len[owner] if owner is not None else 0)
-                if slot in decodes:
-                    ids[slot, 0] = items[decodes[slot]].token_ids[0]
-            out = self._run(0, rows, ids, lens)
+            out = self._decode(items, decodes)
             for slot, i in decodes.items():
                 logits[i] = out[slot]
-                self._len[items[i].seq_id] += 1
         return logits
+
+    def _decode(self, items: Sequence[StepItem], decodes: dict[int, int]) -> np.ndarray:
+        """One token for each of ``decodes`` (slot -> item index) in one call on
+        rows ``[0, highest slot]``; returns the logits by row."""
+        rows = max(decodes) + 1
+        ids = np.zeros((rows, 1), np.int64)  # dummy rows decode token 0, dropped by the caller
+        lens = []
+        for slot in range(rows):
+            owner = self._owner[slot]
+            lens.append(self._len[owner] if owner is not None else 0)
+            if slot in decodes:
+                ids[slot, 0] = items[decodes[slot]].token_ids[0]
+        out = self._run(0, rows, ids, lens)
+        for i in decodes.values():
+            self._len[items[i].seq_id] += 1
+        return out
 
     def _run(self, lo: int, hi: int, input_ids: np.ndarray, lens: list[int]) -> np.ndarray:
         """One ORT call on buffer rows ``[lo, hi)``; returns last-position logits."""
@@ -201,9 +215,7 @@ class SharedBufferRunner(ModelRunner):
         batch, n_new = input_ids.shape
         total = max(lens) + n_new
         # Right-padded: row b holds lens[b] + n_new real positions.
-        mask = np.zeros((batch, total), np.int64)
-        for b, n in enumerate(lens):
-            mask[b, : n + n_new] = 1
+        mask = (np.arange(total) < np.asarray(lens)[:, None] + n_new).astype(np.int64)
         binding = self._binding(lo, hi)
         binding.bind_cpu_input("input_ids", input_ids)
         if spec.has_attention_mask:
