@@ -32,13 +32,7 @@ import grpc.aio
 
 from genai_client import _convert
 from genai_client._convert import GenerateOptions, MessageLike
-from genai_client.client import (
-    DEFAULT_KEEPALIVE_TIME_MS,
-    DEFAULT_MAX_MESSAGE_BYTES,
-    auth_metadata,
-    channel_credentials,
-    channel_options,
-)
+from genai_client.client import _ClientBase
 from genai_client.errors import (
     CancelledError,
     GenAIClientError,
@@ -54,7 +48,7 @@ from genai_client.types import (
     SessionInfo,
     Token,
 )
-from genai_service._proto.genai.v1 import generate_pb2_grpc, model_pb2_grpc, session_pb2_grpc
+from genai_service._proto.genai.v1 import generate_pb2_grpc
 
 
 class AsyncGenerationStream(_convert.StreamState):
@@ -299,42 +293,15 @@ class _SessionOpener:
             await self._session.__aexit__(exc_type, exc, tb)
 
 
-class AsyncClient:
+class AsyncClient(_ClientBase):
     """Asynchronous client of GenerateService, SessionService and ModelService.
 
     Arguments as :class:`genai_client.Client`. Use ``async with``, or
     ``await close()``.
     """
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        tls: bool = False,
-        root_certificates: bytes | None = None,
-        private_key: bytes | None = None,
-        certificate_chain: bytes | None = None,
-        token: str | None = None,
-        options: Sequence[tuple[str, Any]] | None = None,
-        keepalive_time_ms: int | None = DEFAULT_KEEPALIVE_TIME_MS,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        timeout: float | None = None,
-    ) -> None:
-        args = channel_options(options, keepalive_time_ms, max_message_bytes)
-        creds = channel_credentials(tls, root_certificates, private_key, certificate_chain)
-        self._channel = (
-            grpc.aio.secure_channel(target, creds, options=args)
-            if creds is not None
-            else grpc.aio.insecure_channel(target, options=args)
-        )
-        self._metadata = auth_metadata(token)
-        self._timeout = timeout
-        self._generate = generate_pb2_grpc.GenerateServiceStub(self._channel)
-        self._sessions = session_pb2_grpc.SessionServiceStub(self._channel)
-        self._model = model_pb2_grpc.ModelServiceStub(self._channel)
-
-    def _deadline(self, timeout: float | None) -> float | None:
-        return self._timeout if timeout is None else timeout
+    _grpc = grpc.aio
+    _channel: grpc.aio.Channel
 
     async def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
         try:

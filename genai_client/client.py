@@ -288,7 +288,44 @@ class Session:
                 raise
 
 
-class Client:
+class _ClientBase:
+    """The channel, auth metadata, default deadline and stubs that both clients
+    hold; ``_grpc`` is the module that makes the channel (``grpc`` or ``grpc.aio``)."""
+
+    _grpc: Any = grpc
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        private_key: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        token: str | None = None,
+        options: Sequence[tuple[str, Any]] | None = None,
+        keepalive_time_ms: int | None = DEFAULT_KEEPALIVE_TIME_MS,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        timeout: float | None = None,
+    ) -> None:
+        args = channel_options(options, keepalive_time_ms, max_message_bytes)
+        creds = channel_credentials(tls, root_certificates, private_key, certificate_chain)
+        self._channel = (
+            self._grpc.secure_channel(target, creds, options=args)
+            if creds is not None
+            else self._grpc.insecure_channel(target, options=args)
+        )
+        self._metadata = auth_metadata(token)
+        self._timeout = timeout
+        self._generate = generate_pb2_grpc.GenerateServiceStub(self._channel)
+        self._sessions = session_pb2_grpc.SessionServiceStub(self._channel)
+        self._model = model_pb2_grpc.ModelServiceStub(self._channel)
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        return self._timeout if timeout is None else timeout
+
+
+class Client(_ClientBase):
     """Synchronous client of GenerateService, SessionService and ModelService.
 
     Args:
@@ -308,35 +345,7 @@ class Client:
     Use as a context manager, or call :meth:`close`.
     """
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        tls: bool = False,
-        root_certificates: bytes | None = None,
-        private_key: bytes | None = None,
-        certificate_chain: bytes | None = None,
-        token: str | None = None,
-        options: Sequence[tuple[str, Any]] | None = None,
-        keepalive_time_ms: int | None = DEFAULT_KEEPALIVE_TIME_MS,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        timeout: float | None = None,
-    ) -> None:
-        args = channel_options(options, keepalive_time_ms, max_message_bytes)
-        creds = channel_credentials(tls, root_certificates, private_key, certificate_chain)
-        self._channel = (
-            grpc.secure_channel(target, creds, options=args)
-            if creds is not None
-            else grpc.insecure_channel(target, options=args)
-        )
-        self._metadata = auth_metadata(token)
-        self._timeout = timeout
-        self._generate = generate_pb2_grpc.GenerateServiceStub(self._channel)
-        self._sessions = session_pb2_grpc.SessionServiceStub(self._channel)
-        self._model = model_pb2_grpc.ModelServiceStub(self._channel)
-
-    def _deadline(self, timeout: float | None) -> float | None:
-        return self._timeout if timeout is None else timeout
+    _channel: grpc.Channel
 
     def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
+from typing import Any
 
 import grpc
 
@@ -107,14 +108,11 @@ def _put_result(response: kvstore_pb2.PutResponse) -> PutResult:
     )
 
 
-class AsyncKvStoreClient:
-    """grpc.aio client of one kvstore server.
+class _ClientBase:
+    """The channel, stub, metadata and defaults that both clients hold;
+    ``_grpc`` is the module that makes the channel (``grpc`` or ``grpc.aio``)."""
 
-    ``target`` is "host:port"; ``auth_token`` is sent as a bearer token;
-    ``timeout_s`` is the default deadline of each call (each method takes a
-    ``timeout_s`` override); ``credentials`` selects TLS; ``verify`` turns off
-    the client-side checksum check (the KV payload has its own, see blob.py).
-    """
+    _grpc: Any = grpc
 
     def __init__(
         self,
@@ -129,14 +127,27 @@ class AsyncKvStoreClient:
         options = list(CHANNEL_OPTIONS)
         compression = grpc.Compression.NoCompression
         if credentials is None:
-            self._channel = grpc.aio.insecure_channel(target, options, compression)
+            self._channel = self._grpc.insecure_channel(target, options, compression)
         else:
-            self._channel = grpc.aio.secure_channel(target, credentials, options, compression)
+            self._channel = self._grpc.secure_channel(target, credentials, options, compression)
         self._stub = kvstore_pb2_grpc.KvStoreStub(self._channel)
         self._metadata = _metadata(auth_token)
         self._timeout_s = timeout_s
         self._verify = verify
         self._digest_size = digest_size
+
+
+class AsyncKvStoreClient(_ClientBase):
+    """grpc.aio client of one kvstore server.
+
+    ``target`` is "host:port"; ``auth_token`` is sent as a bearer token;
+    ``timeout_s`` is the default deadline of each call (each method takes a
+    ``timeout_s`` override); ``credentials`` selects TLS; ``verify`` turns off
+    the client-side checksum check (the KV payload has its own, see blob.py).
+    """
+
+    _grpc = grpc.aio
+    _channel: grpc.aio.Channel
 
     async def wait_ready(self, timeout_s: float | None = None) -> None:
         """Wait until the channel is connected; raises TimeoutError."""
@@ -219,30 +230,11 @@ class AsyncKvStoreClient:
         await self.close()
 
 
-class KvStoreClient:
+class KvStoreClient(_ClientBase):
     """Blocking client of one kvstore server; same arguments as ``AsyncKvStoreClient``."""
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        auth_token: str | None = None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        credentials: grpc.ChannelCredentials | None = None,
-        verify: bool = True,
-        digest_size: int = 16,
-    ) -> None:
-        options = list(CHANNEL_OPTIONS)
-        compression = grpc.Compression.NoCompression
-        if credentials is None:
-            self._channel = grpc.insecure_channel(target, options, compression)
-        else:
-            self._channel = grpc.secure_channel(target, credentials, options, compression)
-        self._stub = kvstore_pb2_grpc.KvStoreStub(self._channel)
-        self._metadata = _metadata(auth_token)
-        self._timeout_s = timeout_s
-        self._verify = verify
-        self._digest_size = digest_size
+    _grpc = grpc
+    _channel: grpc.Channel
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
         """Wait until the channel is connected; raises grpc.FutureTimeoutError."""
