@@ -16,6 +16,7 @@ from genai_service.config import (
     SchedulerConfig,
 )
 from genai_service.engine.engine import LLMEngine
+from genai_service.engine.kv_connector_memory import MemoryKvChunkStore
 from genai_service.engine.prefix_cache import chunk_keys
 from genai_service.engine.request import (
     FinishReason,
@@ -283,6 +284,20 @@ def test_chunks_are_copied_after_the_final_output_not_while_streaming(
     assert [(a[1], a[2]) for a in reads] == [(0, 4), (4, 8), (8, 12), (12, 16)]
     assert len(engine.prefix_index) == 4
     assert engine.runner.kv_len(0) == 0 and not engine.has_unfinished()  # slot freed
+
+
+def test_closing_pushes_the_chunks_of_a_just_finished_sequence(tiny_model_dir: Path) -> None:
+    store = MemoryKvChunkStore(dtype="float32")
+    engine = LLMEngine(
+        EngineConfig(model_dir=str(tiny_model_dir), cache=CacheConfig(chunk_size=4)),
+        chunk_store=store,
+    )
+    prompt = encode_words("the cat sat on the mat and the dog sat in the box")  # 13 tokens
+    engine.add_request(greedy("a", prompt, 6))
+    _until_finished(engine, "a")
+    assert store.blobs == {}  # shared by the next step, which never comes
+    engine.close()
+    assert len(store.blobs) == 4  # 18 positions of KV: four chunks of 4
 
 
 def test_a_prompt_reuses_the_chunks_of_a_sequence_still_running(tiny_model_dir: Path) -> None:

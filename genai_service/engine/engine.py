@@ -182,7 +182,9 @@ class LLMEngine:
         return bool(self._pending or self._held or self._finished_kv) or self.scheduler.has_work()
 
     def close(self) -> None:
-        """Release background resources (the kvstore connector)."""
+        """Share finished sequences' chunks, then release background resources
+        (the kvstore connector, after its pushes have gone out)."""
+        self.flush_finished()
         if self.remote is not None:
             self.remote.flush(self._kvstore_timeout_s)
             self.remote.close()
