@@ -59,6 +59,28 @@ def test_release_compacts_slots_and_keeps_kv(tiny_models: dict[str, Path]) -> No
         np.testing.assert_array_equal(v, v2)
 
 
+def test_batched_decode_rows_follow_the_items_in_any_slot_order(
+    tiny_models: dict[str, Path],
+) -> None:
+    """In slot order the ORT output is returned as is; any other order (or a
+    slot left out) maps each row back to its item."""
+    model_dir = tiny_models["gqa"]
+    runner = SharedBufferRunner(load_model_spec(model_dir), RunnerConfig(), max_slots=3, max_len=32)
+    prompts = {
+        1: encode_words("the cat"),
+        2: encode_words("the dog sat"),
+        3: encode_words("a bird"),
+    }
+    for seq, ids in prompts.items():
+        runner.run([StepItem(seq, ids, 0)])
+    for order in ([1, 2, 3], [3, 1, 2], [2, 3]):
+        logits = runner.run([StepItem(seq, [5], len(prompts[seq])) for seq in order])
+        for row, seq in enumerate(order):
+            prompts[seq] = prompts[seq] + [5]
+            want = reference_logits(model_dir, prompts[seq])
+            np.testing.assert_allclose(logits[row], want, atol=1e-4)
+
+
 def engine(model_dir: Path, **cache) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
