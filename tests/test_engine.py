@@ -336,14 +336,25 @@ def test_finished_chunks_are_copied_a_few_per_step_unless_a_request_needs_the_sl
     assert len(reads) == 2
     engine.step()
     assert len(reads) == 4
-    # One slot: "c" waits for "b"'s, so "b"'s chunks are all copied at once.
-    engine = make_engine(tiny_model_dir, scheduler=SchedulerConfig(max_num_seqs=1))
+    # Three slots, "long" running, "b" and "b2" finishing together, "c" waiting
+    # for a slot: one of them is copied out and freed at once, whatever the
+    # budget; the other waits for the budget.
+    engine = make_engine(tiny_model_dir, scheduler=SchedulerConfig(max_num_seqs=3))
+    reads.clear()
+    read_kv = engine.runner.read_kv
+    engine.runner.read_kv = lambda *a: reads.append(a) or read_kv(*a)  # type: ignore[method-assign]
+    other = encode_words("a bird sat on the mat and the dog sat in the box")  # 13 tokens
+    engine.add_request(greedy("long", "hello", 40))
     engine.add_request(greedy("b", prompt, 6))
+    engine.add_request(greedy("b2", other, 6))
     engine.add_request(greedy("c", "two birds", 3))
     _until_finished(engine, "b")
+    assert reads == [] and engine.scheduler.num_waiting == 1
     first = engine.step()
-    assert len(engine.prefix_index) == 4
-    assert [o.request_id for o in first] == ["c"] and first[0].token_ids  # admitted at once
+    assert len(reads) == 4 and len(engine.prefix_index) == 4  # "b" only
+    assert "c" in [o.request_id for o in first]  # admitted in the same step
+    engine.step()
+    assert len(reads) == 6  # then two of "b2"'s per step
 
 
 def test_context_limit_yields_the_rest_of_the_window(short_context_model_dir: Path) -> None:

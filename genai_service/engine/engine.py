@@ -461,17 +461,26 @@ class LLMEngine:
         """Share the chunks of sequences that finished in earlier steps (their
         final outputs have gone out), then free their slots. While other
         sequences run, a few chunks per step, so a long context's copy never
-        stalls them much (all at once when a waiting request may need a slot);
-        returns the chunks copied."""
+        stalls them much; but as many slots as waiting requests need are freed
+        now, whatever their copies cost. Returns the chunks copied."""
         scheduler = self.scheduler
-        slots_short = scheduler.num_waiting > 0 and (
-            len(scheduler.running) + len(self._finished_kv) >= self.config.scheduler.max_num_seqs
+        busy = scheduler.has_work()
+        # Slots the waiting requests could take that only finished sequences hold.
+        occupied = len(scheduler.running) + len(self._finished_kv)
+        must_free = min(
+            len(self._finished_kv),
+            scheduler.num_waiting - (self.config.scheduler.max_num_seqs - occupied),
         )
-        budget = STORE_CHUNKS_PER_STEP if scheduler.has_work() and not slots_short else None
         copied = 0
-        while self._finished_kv and (budget is None or copied < budget):
+        while self._finished_kv:
             seq = self._finished_kv[0]
-            copied += self.kv_reuse.store(seq, None if budget is None else budget - copied)
+            if must_free > 0:
+                copied += self.kv_reuse.store(seq)
+                must_free -= 1
+            elif not busy:
+                copied += self.kv_reuse.store(seq)
+            elif copied < STORE_CHUNKS_PER_STEP:
+                copied += self.kv_reuse.store(seq, STORE_CHUNKS_PER_STEP - copied)
             if self.kv_reuse.unstored(seq):
                 break
             self._finished_kv.pop(0)
