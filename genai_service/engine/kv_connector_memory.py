@@ -87,11 +87,17 @@ class MemoryKvChunkStore(_CountingStore):
             timer.start()
         return future
 
-    def push(self, key: bytes, layers: KvLayers) -> None:
+    def _refused(self, what: str, key: bytes) -> bool:
+        """True when a write must not happen: closed, or a failure injected (counted)."""
         if self._closed:
-            return
+            return True
         if self.fail:
-            self._failed("push", ConnectionError("failure injected"), key)
+            self._failed(what, ConnectionError("failure injected"), key)
+            return True
+        return False
+
+    def push(self, key: bytes, layers: KvLayers) -> None:
+        if self._refused("push", key):
             return
         with self._lock:
             present = key in self.blobs
@@ -116,19 +122,13 @@ class MemoryKvChunkStore(_CountingStore):
             return self.blobs.get(key)
 
     def put_record(self, key: bytes, data: bytes) -> None:
-        if self._closed:
-            return
-        if self.fail:
-            self._failed("record write", ConnectionError("failure injected"), key)
+        if self._refused("record write", key):
             return
         with self._lock:
             self.blobs[key] = bytes(data)
 
     def delete_record(self, key: bytes) -> None:
-        if self._closed:
-            return
-        if self.fail:
-            self._failed("record write", ConnectionError("failure injected"), key)
+        if self._refused("record write", key):
             return
         with self._lock:
             self.blobs.pop(key, None)
