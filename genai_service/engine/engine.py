@@ -457,14 +457,14 @@ class LLMEngine:
             self._pending.append(out)
         return out
 
-    def _store_finished(self) -> int:
+    def _store_finished(self, *, all_now: bool = False) -> int:
         """Share the chunks of sequences that finished in earlier steps (their
         final outputs have gone out), then free their slots. While other
         sequences run, a few chunks per step, so a long context's copy never
         stalls them much; but as many slots as waiting requests need are freed
         now, whatever their copies cost. Returns the chunks copied."""
         scheduler = self.scheduler
-        busy = scheduler.has_work()
+        budgeted = scheduler.has_work() and not all_now
         # Slots the waiting requests could take that only finished sequences hold.
         occupied = len(scheduler.running) + len(self._finished_kv)
         must_free = min(
@@ -474,10 +474,8 @@ class LLMEngine:
         copied = 0
         while self._finished_kv:
             seq = self._finished_kv[0]
-            if must_free > 0:
-                copied += self.kv_reuse.store(seq)
+            if must_free > 0 or not budgeted:
                 must_free -= 1
-            elif not busy:
                 copied += self.kv_reuse.store(seq)
             elif copied < STORE_CHUNKS_PER_STEP:
                 copied += self.kv_reuse.store(seq, STORE_CHUNKS_PER_STEP - copied)
@@ -489,10 +487,7 @@ class LLMEngine:
 
     def flush_finished(self) -> None:
         """Share every finished sequence's chunks and free their slots now."""
-        for seq in self._finished_kv:
-            self.kv_reuse.store(seq)
-            self.runner.release(seq.seq_id)
-        self._finished_kv.clear()
+        self._store_finished(all_now=True)
 
     def _retire(self, seq: Sequence) -> None:
         shareable = seq.status is SeqStatus.RUNNING or seq.status is SeqStatus.COMMITTING

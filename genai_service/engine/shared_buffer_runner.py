@@ -169,19 +169,17 @@ class SharedBufferRunner(ModelRunner):
                     f"the KV buffer length {self.max_len}"
                 )
             self._ensure_slot(item.seq_id)
-        decodes: dict[int, int] = {}  # slot -> item index
-        if all(len(item.token_ids) == 1 for item in items):
-            # Plain batched decode (the common step): when the items are the
-            # active slots in order, the ORT output is the answer, no copy.
-            for i, item in enumerate(items):
-                decodes[self._slot[item.seq_id]] = i
-            if list(decodes) == list(range(len(items))):
-                return self._decode(items, decodes)
+        decodes = {  # slot -> item index
+            self._slot[item.seq_id]: i for i, item in enumerate(items) if len(item.token_ids) == 1
+        }
+        if decodes and list(decodes) == list(range(len(items))):
+            # Plain batched decode of the active slots in order (the common
+            # step): the ORT output is the answer, no copy.
+            return self._decode(items, decodes)
         logits = np.empty((len(items), self.spec.vocab_size), np.float32)
         # Prefill chunks first, one sequence at a time on its own slot row.
         for i, item in enumerate(items):
             if len(item.token_ids) == 1:
-                decodes[self._slot[item.seq_id]] = i
                 continue
             slot = self._slot[item.seq_id]
             ids = np.asarray([item.token_ids], np.int64)
