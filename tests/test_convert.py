@@ -37,6 +37,7 @@ from genai_service.convert.weights import (
     nbits_linear,
     rope_unpermute_index,
 )
+from genai_service.engine.model_dir import load_model_spec
 from tests.llama_reference import ReferenceModel
 
 Q = GGMLQuantizationType
@@ -421,6 +422,38 @@ def test_tiny_model_all_logits_and_chunked_prefill(
     for name, value in zip(names[1:], first[1:], strict=True):
         feeds[name.replace("present.", "past_key_values.")] = value
     np.testing.assert_allclose(sess.run(["logits"], feeds)[0][0], ref[5:], atol=1e-4 * scale)
+
+
+@pytest.mark.parametrize("weights", FORMATS)
+def test_num_logits_to_keep_widens_last_only_logits(
+    weights: str, tiny_gguf: Path, tiny_reference: ReferenceModel, tmp_path: Path
+) -> None:
+    """The optional input gives the last N positions' logits (speculative decoding's
+    verification); left unfed, the graph is the plain last-position one."""
+    out = convert(tiny_gguf, tmp_path / "m", ConvertOptions(weights=weights), progress=False)
+    spec = load_model_spec(out)
+    assert spec.logits_last_only and spec.num_logits_input == "num_logits_to_keep"
+    sess = session(out)
+    # declared [batch, 1, vocab]: onnxruntime-genai sizes its logits buffer from it
+    assert sess.get_outputs()[0].shape[1] == 1
+    ref = tiny_reference.logits(TINY_IDS)
+    scale = np.abs(ref).max()
+    feeds = {
+        "input_ids": np.array([TINY_IDS], dtype=np.int64),
+        "attention_mask": np.ones((1, len(TINY_IDS)), dtype=np.int64),
+        **empty_past(sess),
+    }
+    last = sess.run(["logits"], feeds)[0]
+    assert last.shape == (1, 1, ref.shape[1])
+    for keep in (1, 3, len(TINY_IDS)):
+        got = sess.run(["logits"], {**feeds, "num_logits_to_keep": np.array([keep])})[0]
+        assert got.shape == (1, keep, ref.shape[1])
+        np.testing.assert_allclose(got[0, -1], last[0, -1], atol=1e-5 * scale)
+        if weights == "fp32":
+            np.testing.assert_allclose(got[0], ref[-keep:], atol=1e-4 * scale)
+        else:
+            for g, r in zip(got[0], ref[-keep:], strict=True):
+                assert kl(r, g) < 5e-3
 
 
 def test_tiny_model_ragged_batch_decode(tiny_gguf: Path, tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from genai_service.convert.tokenizer_build import VocabSpec, write_tokenizer
 from genai_service.convert.weights import DEFAULT_WEIGHTS
 
 # Bump whenever the produced directory changes; cached conversions are keyed by it.
-CONVERTER_VERSION = "1"
+CONVERTER_VERSION = "2"
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"

@@ -12,7 +12,11 @@ is updated in place.
 By default ``logits`` holds only the last position (``[batch, 1, vocab]``,
 metadata ``genai.logits = "last"``): the last hidden state is sliced out before
 the final norm and LM head, which saves a ``vocab x hidden`` matmul per prompt
-token. ``all_logits`` gives ``[batch, seq, vocab]`` (``genai.logits = "all"``).
+token. The optional input ``num_logits_to_keep`` (int64 ``[1]``, an initializer
+with the default 1, so callers that do not know it need not feed it) widens
+that to the last N positions, ``[batch, N, vocab]``: speculative decoding
+verifies N draft positions in one call. ``all_logits`` gives ``[batch, seq,
+vocab]`` (``genai.logits = "all"``).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from genai_service.convert.weights import (
     make_linear,
     nbits_linear,
 )
+from genai_service.engine.model_dir import NUM_LOGITS_TO_KEEP
 
 OPSET = 21
 MS_DOMAIN = "com.microsoft"
@@ -202,8 +207,10 @@ class _LlamaBuilder:
         if residual is None:
             raise ValueError("the model has no layers")
         if not self.opt.all_logits:
-            # Only the last position feeds the final norm and the LM head.
-            starts = g.const("last_start", np.array([-1], dtype=np.int64))
+            # Only the last position (or the last num_logits_to_keep) feeds the
+            # final norm and the LM head.
+            keep = g.const(NUM_LOGITS_TO_KEEP, np.array([1], dtype=np.int64))
+            starts = g.op("Neg", [keep], "last_start")[0]
             ends = g.const("last_end", np.array([INT64_MAX], dtype=np.int64))
             axes = g.const("seq_axis", np.array([1], dtype=np.int64))
             hidden = g.op("Slice", [hidden, starts, ends, axes], "last_hidden")[0]
@@ -250,7 +257,7 @@ class _LlamaBuilder:
                     "lm_head/flatten",
                 )[0]
                 y = g.op("Gemm", [flat, table], "lm_head", transB=1)[0]
-                self._logits(y, reshape=True)
+                self._logits(y, rows_of=x)
 
             return hidden, lm_head
 
@@ -307,27 +314,26 @@ class _LlamaBuilder:
 
         return hidden, lm_head_q
 
-    def _logits(self, y: str, reshape: bool = False) -> None:
+    def _logits(self, y: str, rows_of: str | None = None) -> None:
+        """Emit the ``logits`` output from ``y``; ``rows_of``: when ``y`` is flat
+        (``[batch * rows, vocab]``), the ``[batch, rows, hidden]`` LM head input
+        whose leading dims it gets back."""
         g = self.g
-        if reshape:  # y is [batch * rows, vocab]
-            if self.opt.all_logits:
-                ids_shape = g.op("Shape", ["input_ids"], "logits/ids_shape")[0]
-                shape = g.op(
-                    "Concat",
-                    [
-                        ids_shape,
-                        g.const("logits/vocab", np.array([self.p.vocab_size], dtype=np.int64)),
-                    ],
-                    "logits/shape",
-                    axis=0,
-                )[0]
-            else:
-                shape = g.const(
-                    "logits/shape", np.array([-1, 1, self.p.vocab_size], dtype=np.int64)
-                )
-            g.op("Reshape", [y, shape], "logits", outputs=["logits"])
-        else:
+        if rows_of is None:
             g.op("Identity", [y], "logits", outputs=["logits"])
+            return
+        lead = g.op(
+            "Slice",
+            [
+                g.op("Shape", [rows_of], "logits/input_shape")[0],
+                g.const("logits/lead_start", np.array([0], dtype=np.int64)),
+                g.const("logits/lead_end", np.array([2], dtype=np.int64)),
+            ],
+            "logits/lead_dims",
+        )[0]
+        vocab = g.const("logits/vocab", np.array([self.p.vocab_size], dtype=np.int64))
+        shape = g.op("Concat", [lead, vocab], "logits/shape", axis=0)[0]
+        g.op("Reshape", [y, shape], "logits", outputs=["logits"])
 
     def layer(
         self,
@@ -441,10 +447,14 @@ class _LlamaBuilder:
                 "attention_mask", i64, ["batch_size", "total_sequence_length"]
             ),
         ]
+        if not self.opt.all_logits:  # an input with a default: its initializer
+            inputs.append(helper.make_tensor_value_info(NUM_LOGITS_TO_KEEP, i64, [1]))
         outputs = [
             helper.make_tensor_value_info(
                 "logits",
                 f32,
+                # A static 1 when last-only: onnxruntime-genai sizes its logits
+                # buffer from this dim (it never feeds num_logits_to_keep).
                 ["batch_size", "sequence_length" if self.opt.all_logits else 1, p.vocab_size],
             )
         ]

@@ -56,6 +56,8 @@ INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"
 POSITION_IDS = "position_ids"
 LOGITS = "logits"
+# Optional (an initializer, default 1): logits of the last N positions.
+NUM_LOGITS_TO_KEEP = "num_logits_to_keep"
 PAST_KEY = "past_key_values.%d.key"
 PAST_VALUE = "past_key_values.%d.value"
 PRESENT_KEY = "present.%d.key"
@@ -98,6 +100,9 @@ class ModelSpec:
     present_names: tuple[tuple[str, str], ...]  # per layer: (present key, present value output)
     uses_gqa: bool  # com.microsoft GroupQueryAttention in the graph
     logits_last_only: bool  # logits hold only the last position: [batch, 1, vocab]
+    # Optional input widening last-only logits to the last N positions (speculative
+    # decoding's verification); None when the graph has none.
+    num_logits_input: str | None
     context_length: int | None
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
@@ -148,6 +153,7 @@ def load_model_spec(path: str | Path) -> ModelSpec:
     graph = model.graph
     initializers = {t.name for t in graph.initializer}
     inputs = {vi.name: _tensor(vi) for vi in graph.input if vi.name not in initializers}
+    optional_inputs = {vi.name for vi in graph.input if vi.name in initializers}
     outputs = {vi.name: _tensor(vi) for vi in graph.output}
 
     if INPUT_IDS not in inputs:
@@ -218,6 +224,7 @@ def load_model_spec(path: str | Path) -> ModelSpec:
             for n in _all_nodes(model)
         ),
         logits_last_only=logits_last_only,
+        num_logits_input=NUM_LOGITS_TO_KEEP if NUM_LOGITS_TO_KEEP in optional_inputs else None,
         context_length=_opt_int(
             _first(
                 _get(genai, "model", "context_length"),
