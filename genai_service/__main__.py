@@ -20,6 +20,7 @@ from .config import (
     SchedulerConfig,
     ServerConfig,
     SessionConfig,
+    SpeculationConfig,
 )
 from .logging import configure_logging
 
@@ -78,6 +79,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--default-max-new-tokens", type=int, default=256)
     g.add_argument("--max-new-tokens-limit", type=int, default=4096)
+    g.add_argument(
+        "--speculate",
+        type=int,
+        default=0,
+        metavar="N",
+        help="prompt-lookup speculative decoding: draft N tokens per step (0: off)",
+    )
+    g.add_argument(
+        "--speculate-max-batch",
+        type=int,
+        default=1,
+        metavar="N",
+        help="speculate only while at most N sequences decode",
+    )
     a = p.add_argument_group("security")
     a.add_argument(
         "--auth-token-file",
@@ -132,6 +147,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         limits=LimitsConfig(
             default_max_new_tokens=args.default_max_new_tokens,
             max_new_tokens_limit=args.max_new_tokens_limit,
+        ),
+        speculation=SpeculationConfig(
+            num_tokens=args.speculate, max_batch=args.speculate_max_batch
         ),
         max_context_length=args.max_context_length,
         kvstore=(

@@ -45,6 +45,33 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculationConfig:
+    """Prompt-lookup speculative decoding (off unless ``num_tokens`` > 0).
+
+    While at most ``max_batch`` sequences are decoding, each one's next
+    ``num_tokens`` tokens are guessed from an earlier occurrence of its last
+    ``ngram_max``..``ngram_min`` tokens in its own context, and one step checks
+    the guess: every guessed token the model agrees with comes out of that
+    step too. The output is the same as without speculation.
+    """
+
+    num_tokens: int = 0  # draft tokens per step (genai-server --speculate)
+    max_batch: int = 1  # speculate only while this many sequences or fewer decode
+    ngram_max: int = 3
+    ngram_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 0:
+            raise ValueError(f"speculation num_tokens must be >= 0, got {self.num_tokens}")
+        _positive("speculation max_batch", self.max_batch)
+        _positive("speculation ngram_min", self.ngram_min)
+        if self.ngram_max < self.ngram_min:
+            raise ValueError(
+                f"speculation ngram_max ({self.ngram_max}) must be >= ngram_min ({self.ngram_min})"
+            )
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     """In-process prefix reuse (DESIGN §4 chunk keys)."""
 
@@ -131,6 +158,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     sessions: SessionConfig = field(default_factory=SessionConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     kvstore: KvStoreConfig | None = None  # None: in-process prefix reuse only
     max_context_length: int | None = None  # cap below the model's own context length
 

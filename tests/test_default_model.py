@@ -14,8 +14,10 @@ from genai_service.config import (
     RunnerConfig,
     SchedulerConfig,
     ServerConfig,
+    SpeculationConfig,
 )
 from genai_service.engine.engine import LLMEngine
+from genai_service.engine.model_runner import StepItem
 from genai_service.engine.request import GenerationRequest, StoppingCriteria
 from tests.server_harness import ServerThread, free_port
 
@@ -155,3 +157,41 @@ def test_prefix_reuse_and_sessions_on_the_default_model(default_model_dir: Path)
     )
     assert t2.usage.cached_tokens == len(ids) + 8
     assert t2.token_ids == whole.token_ids
+
+
+REWRITE_SOURCE = (
+    "The lighthouse stood on a rocky point at the end of the harbour road. Every evening the "
+    "keeper climbed the ninety steps, trimmed the wick, wound the clockwork that turned the "
+    "lens, and wrote the weather into a leather ledger."
+)
+
+
+def test_speculation_on_the_default_model(default_model_dir: Path) -> None:
+    """A task that quotes its prompt: most drafts are accepted, and every token is the
+    model's greedy choice. Not always the one a plain decode picks: the int8
+    activations of MatMulNBits round a 5-row step differently from a 1-row one,
+    so near-ties may break the other way; so each token is checked against the
+    logits the verification computed, within that rounding."""
+    plain = engine(default_model_dir, "shared_buffer")
+    tok = plain.tokenizer
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Repeat this text exactly:\n\n" + REWRITE_SOURCE}]
+    )
+    ids = tuple(tok.encode(text, add_special_tokens=False))
+    spec = LLMEngine(
+        dataclasses.replace(
+            plain.config, speculation=SpeculationConfig(num_tokens=4), scheduler=SchedulerConfig()
+        )
+    )
+    stopping = StoppingCriteria(max_new_tokens=40, ignore_eos=True)
+    got = spec.generate(GenerationRequest("s", ids, stopping=stopping))
+    assert spec.counters["spec_accepted_tokens"] >= 0.5 * spec.counters["spec_draft_tokens"] > 0
+    assert spec.counters["steps"] < 30  # prefill + fewer than one step per token
+    assert got.text.startswith("The lighthouse stood on a rocky point")
+    # every token is (within rounding) the argmax of the logits before it
+    runner = plain.runner
+    first = runner.run([StepItem(1, ids, 0)])[0]
+    rows = runner.verify(StepItem(1, got.token_ids[:-1], len(ids)))
+    runner.release(1)
+    for j, row in enumerate([first, *rows]):
+        assert row[got.token_ids[j]] >= row.max() - 0.5, j

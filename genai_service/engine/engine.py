@@ -35,6 +35,7 @@ from .request import (
     TokenLogprob,
     Usage,
     collect,
+    merge_outputs,
 )
 from .sampling_rows import plain_greedy, sampling_row, token_logprob
 from .scheduler import Scheduler
@@ -48,6 +49,7 @@ from .sessions import (
     session_from_record,
     session_record,
 )
+from .speculation import PromptLookup
 from .stops import StopStringMatcher
 from .tokenizer import Tokenizer
 from .validation import resolve_max_new_tokens, validate_request
@@ -121,6 +123,14 @@ class LLMEngine:
         # the copies are made after their final outputs have gone out.
         self._finished_kv: list[Sequence] = []
         self.last_step_idle = False  # the last step computed nothing (waiting on I/O)
+        self._drafter: PromptLookup | None = None
+        if config.speculation.num_tokens:
+            if not self.runner.can_verify:
+                raise ValueError(
+                    "speculation: the graph returns only the last position's logits and has "
+                    "no num_logits_to_keep input (convert it again, or use --speculate 0)"
+                )
+            self._drafter = PromptLookup(config.speculation)
 
     # -- public API ------------------------------------------------------------
 
@@ -215,22 +225,32 @@ class LLMEngine:
         self.last_step_idle = not batch and not stored
         if not batch:
             return outputs
+        drafts = self._drafts(batch.items)
+        plain = [item for item in batch.items if item[0].seq_id not in drafts]
         items = [
             StepItem(
                 seq.seq_id, seq.token_ids[seq.num_computed : seq.num_computed + n], seq.num_computed
             )
-            for seq, n in batch.items
+            for seq, n in plain
         ]
         try:
-            logits = self.runner.run(items)
+            checked = [
+                (seq, draft, self.runner.verify(self._draft_item(seq, draft)))
+                for seq, _ in batch.items
+                if (draft := drafts.get(seq.seq_id))
+            ]
+            logits = self.runner.run(items) if items else None
         except Exception as exc:  # an ORT failure must not take the engine down
             log.exception("runner_failed", batch=[s.request_id for s, _ in batch.items])
             for seq, _ in batch.items:
                 self._fail(seq, Internal(f"model runner failed: {exc}"))
             return outputs + self._drain_pending()
         self.counters["steps"] += 1
-        self.counters["computed_tokens"] += batch.num_tokens
-        outputs.extend(self._postprocess(batch.items, logits))
+        self.counters["computed_tokens"] += batch.num_tokens + sum(map(len, drafts.values()))
+        for seq, draft, rows in checked:
+            outputs.append(self._accept(seq, draft, rows))
+        if logits is not None:
+            outputs.extend(self._postprocess(plain, logits))
         return outputs + self._drain_pending()
 
     def run_to_completion(
@@ -356,19 +376,92 @@ class LLMEngine:
             ]
         rows = [sampling_row(seq, self.spec.sampling_defaults) for seq in seqs]
         sampled = sampling.sample(logits, sampling.prepare(rows))
-        outputs = []
-        for j, seq in enumerate(seqs):
-            lp = None
-            if seq.request.top_logprobs > 0:
-                lp = token_logprob(
-                    int(sampled.token_ids[j]),
-                    float(sampled.logprobs[j]) if sampled.logprobs is not None else 0.0,
-                    sampled.top_token_ids[j],
-                    sampled.top_logprobs[j],
-                    self.tokenizer.token_text,
+        return [
+            self._append_token(seq, *self._picked(seq, sampled, j)) for j, seq in enumerate(seqs)
+        ]
+
+    def _picked(
+        self, seq: Sequence, sampled: sampling.SampleOutput, j: int
+    ) -> tuple[int, TokenLogprob | None]:
+        """Row ``j`` of the sampler's output: the token, and its logprobs if ``seq`` wants them."""
+        token = int(sampled.token_ids[j])
+        if seq.request.top_logprobs == 0:
+            return token, None
+        return token, token_logprob(
+            token,
+            float(sampled.logprobs[j]) if sampled.logprobs is not None else 0.0,
+            sampled.top_token_ids[j],
+            sampled.top_logprobs[j],
+            self.tokenizer.token_text,
+        )
+
+    # -- speculative decoding (config.speculation) --------------------------------
+
+    def _drafts(self, items: list[tuple[Sequence, int]]) -> dict[int, list[int]]:
+        """seq_id -> draft tokens, for the decoding sequences of a step that may
+        speculate: only steps of decodes alone, at most ``max_batch`` of them."""
+        drafter = self._drafter
+        if drafter is None or len(items) > self.config.speculation.max_batch:
+            return {}
+        if any(
+            n != 1 or not seq.output_ids or seq.status is not SeqStatus.RUNNING for seq, n in items
+        ):
+            return {}
+        drafts = {}
+        for seq, _ in items:
+            # Every accepted token and the one after them must fit the request's
+            # max_new_tokens and the context.
+            limit = min(
+                seq.max_new_tokens - len(seq.output_ids) - 1,
+                self.context_length - len(seq.token_ids) - 1,
+            )
+            draft = drafter.propose(seq.seq_id, seq.token_ids, limit)
+            if draft:
+                drafts[seq.seq_id] = draft
+        return drafts
+
+    @staticmethod
+    def _draft_item(seq: Sequence, draft: list[int]) -> StepItem:
+        """The sequence's last token followed by the draft, in one step."""
+        return StepItem(seq.seq_id, (seq.token_ids[-1], *draft), seq.num_computed)
+
+    def _accept(self, seq: Sequence, draft: list[int], rows: np.ndarray) -> RequestOutput:
+        """Choose tokens from ``rows`` (the logits after the last token and after
+        each draft token) as a plain decode would, one position after another,
+        while they agree with the draft; keep the KV of the agreed draft tokens
+        only. Returns the step's tokens as one output."""
+        chosen: list[tuple[int, TokenLogprob | None]] = []
+        for j, row in enumerate(rows):
+            pending = [t for t, _ in chosen]
+            if plain_greedy(seq, len(pending)):
+                chosen.append((int(np.argmax(row)), None))
+            else:
+                picked = sampling.sample(
+                    row[None],
+                    sampling.prepare([sampling_row(seq, self.spec.sampling_defaults, pending)]),
                 )
-            outputs.append(self._append_token(seq, int(sampled.token_ids[j]), lp))
-        return outputs
+                chosen.append(self._picked(seq, picked, 0))
+            if j == len(draft) or chosen[-1][0] != draft[j]:
+                break
+        self.counters["spec_draft_tokens"] += len(draft)
+        self.counters["spec_accepted_tokens"] += len(chosen) - 1
+        assert self._drafter is not None
+        self._drafter.feedback(seq.seq_id, len(chosen) - 1)
+        start = seq.num_computed
+        out: RequestOutput | None = None
+        for j, (token, lp) in enumerate(chosen):
+            # Every token but the last one is computed, as in a plain decode
+            # (the runner may hold more until the trim below; KvReuse reads
+            # only up to num_computed).
+            seq.num_computed = start + 1 + j
+            step = self._append_token(seq, token, lp)
+            out = step if out is None else merge_outputs(out, step)
+            if seq.finish_reason is not None:
+                break
+        if self.runner.kv_len(seq.seq_id) > seq.num_computed:  # unless released
+            self.runner.truncate(seq.seq_id, seq.num_computed)  # drop rejected drafts' KV
+        assert out is not None  # rows always has at least one row
+        return out
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> RequestOutput:
         seq.token_ids.append(token)
@@ -492,6 +585,8 @@ class LLMEngine:
     def _retire(self, seq: Sequence) -> None:
         shareable = seq.status is SeqStatus.RUNNING or seq.status is SeqStatus.COMMITTING
         seq.status = SeqStatus.FINISHED
+        if self._drafter is not None:
+            self._drafter.forget(seq.seq_id)
         self.scheduler.remove(seq)
         if shareable and self.kv_reuse.unstored(seq):
             self._finished_kv.append(seq)  # stored and released by a later step

@@ -145,7 +145,7 @@ class KvReuse:
         if not self.unstored(seq):
             self.untrack(seq)
             return 0
-        n_chunks = self.runner.kv_len(seq.seq_id) // self.chunk_size
+        n_chunks = self._kv_len(seq) // self.chunk_size
         keys = chunk_keys(
             self.namespace, seq.token_ids[: n_chunks * self.chunk_size], self.chunk_size
         )
@@ -171,7 +171,12 @@ class KvReuse:
         """Complete chunks of ``seq`` that ``store`` would still copy out."""
         if not self.prefix_index.capacity_bytes and self.remote is None:
             return 0
-        return max(0, self.runner.kv_len(seq.seq_id) // self.chunk_size - seq.stored_chunks)
+        return max(0, self._kv_len(seq) // self.chunk_size - seq.stored_chunks)
+
+    def _kv_len(self, seq: Sequence) -> int:
+        """The KV of ``seq``'s own tokens: while a speculative step is being
+        accepted, the runner may still hold draft tokens' KV past them."""
+        return min(self.runner.kv_len(seq.seq_id), seq.num_computed)
 
     def untrack(self, seq: Sequence) -> None:
         """Forget a tracked sequence (stored, or its KV is not to be shared)."""

@@ -38,6 +38,7 @@ class ModelRunner(ABC):
     """
 
     kind: str
+    spec: ModelSpec
 
     @abstractmethod
     def run(self, items: Sequence[StepItem]) -> np.ndarray: ...
@@ -64,6 +65,23 @@ class ModelRunner(ABC):
     def release(self, seq_id: int) -> None:
         """Free everything held for ``seq_id`` (no-op if nothing is)."""
 
+    @property
+    def can_verify(self) -> bool:
+        """Whether ``verify`` works: the graph gives logits for every position,
+        or for the last ``num_logits_to_keep``."""
+        return not self.spec.logits_last_only or self.spec.num_logits_input is not None
+
+    @abstractmethod
+    def verify(self, item: StepItem) -> np.ndarray:
+        """Compute ``item`` as ``run`` would and return the logits of each of its
+        tokens, ``[len(token_ids), vocab]`` (speculative decoding checks a draft
+        with them). Needs ``can_verify``."""
+
+    @abstractmethod
+    def truncate(self, seq_id: int, n: int) -> None:
+        """Keep only the first ``n`` tokens of ``seq_id``'s KV (drops the KV of
+        draft tokens that were not accepted)."""
+
 
 def make_session_options(config: RunnerConfig) -> ort.SessionOptions:
     options = ort.SessionOptions()
@@ -72,6 +90,10 @@ def make_session_options(config: RunnerConfig) -> ort.SessionOptions:
         options.intra_op_num_threads = config.intra_op_threads
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    # Errors only: ORT warns on every load of a graph with an optional input
+    # (``num_logits_to_keep``) and on every verification step, whose logits
+    # are wider than the declared ``[batch, 1, vocab]``. Failures still raise.
+    options.log_severity_level = 3
     return options
 
 
@@ -119,6 +141,12 @@ class PastPresentRunner(ModelRunner):
     def release(self, seq_id: int) -> None:
         self._kv.pop(seq_id, None)
 
+    def truncate(self, seq_id: int, n: int) -> None:
+        held = self.kv_len(seq_id)
+        if not 0 <= n <= held:
+            raise ValueError(f"sequence {seq_id}: cannot keep {n} of {held} tokens of KV")
+        self._kv[seq_id] = [(k[:, :n], v[:, :n]) for k, v in self._kv[seq_id]]
+
     def _empty_kv(self) -> KvLayers:
         kv = self.spec.kv
         empty = np.zeros((kv.num_kv_heads, 0, kv.head_dim), self._dtype)
@@ -128,26 +156,34 @@ class PastPresentRunner(ModelRunner):
 
     def run(self, items: Sequence[StepItem]) -> np.ndarray:
         for item in items:
-            held = self.kv_len(item.seq_id)
-            if held != item.start:
-                raise ValueError(
-                    f"sequence {item.seq_id}: step starts at {item.start} but {held} tokens of KV"
-                )
+            self._check_start(item)
         logits = np.empty((len(items), self._vocab_dim()), np.float32)
         decodes = [i for i, item in enumerate(items) if len(item.token_ids) == 1]
         for i, item in enumerate(items):
             if len(item.token_ids) != 1:
-                logits[i] = self._run_batch([item])[0]
+                logits[i] = self._run_batch([item])[0, -1]
         # A lone decode needs no padding; several run as one padded batch.
         if decodes:
-            logits[decodes] = self._run_batch([items[i] for i in decodes])
+            logits[decodes] = self._run_batch([items[i] for i in decodes])[:, -1]
         return logits
+
+    def verify(self, item: StepItem) -> np.ndarray:
+        self._check_start(item)
+        return self._run_batch([item], keep=len(item.token_ids))[0]
+
+    def _check_start(self, item: StepItem) -> None:
+        held = self.kv_len(item.seq_id)
+        if held != item.start:
+            raise ValueError(
+                f"sequence {item.seq_id}: step starts at {item.start} but {held} tokens of KV"
+            )
 
     def _vocab_dim(self) -> int:
         return self.spec.vocab_size
 
-    def _run_batch(self, items: Sequence[StepItem]) -> np.ndarray:
-        """One ORT call; all items have the same number of new tokens."""
+    def _run_batch(self, items: Sequence[StepItem], keep: int = 1) -> np.ndarray:
+        """One ORT call; all items have the same number of new tokens. Returns
+        the logits of the last ``keep`` positions, ``[batch, keep, vocab]``."""
         spec = self.spec
         batch = len(items)
         n_new = len(items[0].token_ids)
@@ -173,6 +209,10 @@ class PastPresentRunner(ModelRunner):
             feeds["attention_mask"] = mask
         if spec.has_position_ids:
             feeds["position_ids"] = positions
+        if keep > 1 and spec.logits_last_only:
+            if spec.num_logits_input is None:
+                raise ValueError("the graph returns only the last position's logits")
+            feeds[spec.num_logits_input] = np.array([keep], np.int64)
 
         for layer, (k_name, v_name) in enumerate(spec.past_names):
             if batch == 1:
@@ -202,7 +242,7 @@ class PastPresentRunner(ModelRunner):
                 (presents[2 * layer][b, :, lo:hi], presents[2 * layer + 1][b, :, lo:hi])
                 for layer in range(spec.kv.num_layers)
             ]
-        return np.asarray(logits[:, -1, :], np.float32)
+        return np.asarray(logits[:, -keep:, :], np.float32)
 
 
 def create_runner(

@@ -20,29 +20,35 @@ from .sequence import Sequence
 _SAMPLING_DEFAULT_FIELDS = ("top_k", "top_p", "min_p", "repetition_penalty")
 
 
-def plain_greedy(seq: Sequence) -> bool:
-    """Greedy with nothing that changes the logits and no logprobs wanted."""
+def plain_greedy(seq: Sequence, pending: int = 0) -> bool:
+    """Greedy with nothing that changes the logits and no logprobs wanted.
+    ``pending``: tokens chosen for ``seq`` but not appended yet (a draft being
+    checked)."""
     p = seq.request.sampling
     return (
         p.greedy
         and seq.request.top_logprobs == 0
-        and len(seq.output_ids) >= seq.request.stopping.min_new_tokens
+        and len(seq.output_ids) + pending >= seq.request.stopping.min_new_tokens
         and p.repetition_penalty in (None, 1.0)
         and not p.frequency_penalty
         and not p.presence_penalty
     )
 
 
-def sampling_row(seq: Sequence, defaults: Mapping[str, float | int]) -> sampling.SamplingRow:
-    """The sampler's view of ``seq``; ``defaults`` are the model's ``sampling_defaults``."""
+def sampling_row(
+    seq: Sequence, defaults: Mapping[str, float | int], pending: list[int] | None = None
+) -> sampling.SamplingRow:
+    """The sampler's view of ``seq``; ``defaults`` are the model's ``sampling_defaults``;
+    ``pending`` as in ``plain_greedy``, but the tokens themselves (penalties see them)."""
+    outputs = seq.output_ids + pending if pending else seq.output_ids
     banned: tuple[int, ...] = ()
-    if len(seq.output_ids) < seq.request.stopping.min_new_tokens:
+    if len(outputs) < seq.request.stopping.min_new_tokens:
         banned = tuple(seq.eos_token_ids | seq.stop_token_ids)
     return sampling.SamplingRow(
         params=effective_sampling(seq.request.sampling, defaults),
         rng=seq.rng,
         prompt_token_ids=seq.token_ids[: seq.prompt_len],
-        output_token_ids=seq.output_ids,
+        output_token_ids=outputs,
         top_logprobs=seq.request.top_logprobs,
         banned_token_ids=banned,
         want_logprobs=seq.request.top_logprobs > 0,

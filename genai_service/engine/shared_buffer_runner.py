@@ -48,7 +48,7 @@ class SharedBufferRunner(ModelRunner):
         self.k_buffers = [self._zeros(shape) for _ in range(kv.num_layers)]
         self.v_buffers = [self._zeros(shape) for _ in range(kv.num_layers)]
         self._views: dict[tuple[int, int], list[ort.OrtValue]] = {}
-        self._bindings: dict[tuple[int, int], ort.IOBinding] = {}
+        self._bindings: dict[tuple[int, int, bool], ort.IOBinding] = {}
         self._slot: dict[int, int] = {}  # seq_id -> slot
         self._owner: list[int | None] = [None] * max_slots  # slot -> seq_id
         self._len: dict[int, int] = {}  # seq_id -> tokens of valid KV
@@ -158,17 +158,7 @@ class SharedBufferRunner(ModelRunner):
 
     def run(self, items: Sequence[StepItem]) -> np.ndarray:
         for item in items:
-            held = self.kv_len(item.seq_id)
-            if held != item.start:
-                raise ValueError(
-                    f"sequence {item.seq_id}: step starts at {item.start} but {held} tokens of KV"
-                )
-            if item.start + len(item.token_ids) > self.max_len:
-                raise ValueError(
-                    f"sequence {item.seq_id}: {item.start + len(item.token_ids)} tokens exceed "
-                    f"the KV buffer length {self.max_len}"
-                )
-            self._ensure_slot(item.seq_id)
+            self._admit(item)
         decodes = {  # slot -> item index
             self._slot[item.seq_id]: i for i, item in enumerate(items) if len(item.token_ids) == 1
         }
@@ -183,13 +173,41 @@ class SharedBufferRunner(ModelRunner):
                 continue
             slot = self._slot[item.seq_id]
             ids = np.asarray([item.token_ids], np.int64)
-            logits[i] = self._run(slot, slot + 1, ids, [item.start])[0]
+            logits[i] = self._run(slot, slot + 1, ids, [item.start])[0, -1]
             self._len[item.seq_id] = item.start + len(item.token_ids)
         if decodes:
             out = self._decode(items, decodes)
             for slot, i in decodes.items():
                 logits[i] = out[slot]
         return logits
+
+    def verify(self, item: StepItem) -> np.ndarray:
+        self._admit(item)
+        slot = self._slot[item.seq_id]
+        n = len(item.token_ids)
+        out = self._run(slot, slot + 1, np.asarray([item.token_ids], np.int64), [item.start], n)
+        self._len[item.seq_id] = item.start + n
+        return out[0]
+
+    def truncate(self, seq_id: int, n: int) -> None:
+        held = self.kv_len(seq_id)
+        if not 0 <= n <= held or seq_id not in self._slot:
+            raise ValueError(f"sequence {seq_id}: cannot keep {n} of {held} tokens of KV")
+        self._len[seq_id] = n  # positions past n are overwritten by the next step
+
+    def _admit(self, item: StepItem) -> None:
+        """Check that ``item`` continues its sequence's KV and fits; give it a slot."""
+        held = self.kv_len(item.seq_id)
+        if held != item.start:
+            raise ValueError(
+                f"sequence {item.seq_id}: step starts at {item.start} but {held} tokens of KV"
+            )
+        if item.start + len(item.token_ids) > self.max_len:
+            raise ValueError(
+                f"sequence {item.seq_id}: {item.start + len(item.token_ids)} tokens exceed "
+                f"the KV buffer length {self.max_len}"
+            )
+        self._ensure_slot(item.seq_id)
 
     def _decode(self, items: Sequence[StepItem], decodes: dict[int, int]) -> np.ndarray:
         """One token for each of ``decodes`` (slot -> item index) in one call on
@@ -202,40 +220,61 @@ class SharedBufferRunner(ModelRunner):
             lens.append(self._len[owner] if owner is not None else 0)
             if slot in decodes:
                 ids[slot, 0] = items[decodes[slot]].token_ids[0]
-        out = self._run(0, rows, ids, lens)
+        out = self._run(0, rows, ids, lens)[:, -1]
         for i in decodes.values():
             self._len[items[i].seq_id] += 1
         return out
 
-    def _run(self, lo: int, hi: int, input_ids: np.ndarray, lens: list[int]) -> np.ndarray:
-        """One ORT call on buffer rows ``[lo, hi)``; returns last-position logits."""
+    def _run(
+        self, lo: int, hi: int, input_ids: np.ndarray, lens: list[int], keep: int = 1
+    ) -> np.ndarray:
+        """One ORT call on buffer rows ``[lo, hi)``; returns the logits of the last
+        ``keep`` positions, ``[rows, keep, vocab]``."""
         spec = self.spec
         batch, n_new = input_ids.shape
         total = max(lens) + n_new
         # Right-padded: row b holds lens[b] + n_new real positions.
         mask = (np.arange(total) < np.asarray(lens)[:, None] + n_new).astype(np.int64)
-        binding = self._binding(lo, hi)
+        wide = keep > 1 and spec.logits_last_only
+        binding = self._binding(lo, hi, wide)
+        if wide:
+            if spec.num_logits_input is None:
+                raise ValueError("the graph returns only the last position's logits")
+            # An OrtValue: bind_cpu_input looks the name up among the required
+            # inputs only, and this one has a default.
+            keep_value = ort.OrtValue.ortvalue_from_numpy(np.array([keep], np.int64))
+            binding.bind_ortvalue_input(spec.num_logits_input, keep_value)
         binding.bind_cpu_input("input_ids", input_ids)
         if spec.has_attention_mask:
             binding.bind_cpu_input("attention_mask", mask)
         if spec.has_position_ids:
             positions = np.asarray([np.arange(n, n + n_new) for n in lens], np.int64)
             binding.bind_cpu_input("position_ids", positions)
+        if wide:
+            # More rows than the declared [batch, 1, vocab] (which onnxruntime-genai
+            # relies on): ORT refuses a bound array of that shape, so it allocates
+            # the logits itself, afresh each call; they are the binding's first output.
+            binding.bind_output("logits", "cpu")
+            self.session.run_with_iobinding(binding)
+            return np.asarray(binding.get_outputs()[0].numpy())
         # Logits land in an array of ours: reading them back through
         # get_outputs() would wrap every output, the KV buffers included.
-        logits = np.empty(
-            (batch, 1 if spec.logits_last_only else n_new, spec.vocab_size), np.float32
-        )
+        rows = 1 if spec.logits_last_only else n_new
+        logits = np.empty((batch, rows, spec.vocab_size), np.float32)
         binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
         self.session.run_with_iobinding(binding)
-        return logits[:, -1, :]
+        return logits[:, -keep:, :]
 
-    def _binding(self, lo: int, hi: int) -> ort.IOBinding:
+    def _binding(self, lo: int, hi: int, wide: bool = False) -> ort.IOBinding:
         """An IOBinding with rows ``[lo, hi)`` of the KV buffers bound as both past
-        and present; kept per row range, so a step only rebinds its inputs."""
-        binding = self._bindings.get((lo, hi))
+        and present; kept per row range, so a step only rebinds its inputs. ``wide``
+        bindings also bind ``num_logits_to_keep`` (the others leave its default, 1)
+        and let ORT allocate the logits."""
+        binding = self._bindings.get((lo, hi, wide))
         if binding is None:
             binding = self.session.io_binding()
+            if wide:
+                binding.bind_output("logits", "cpu")  # first: get_outputs()[0]
             views = self._ortvalues(lo, hi)
             for layer, ((pk, pv), (ok, ov)) in enumerate(
                 zip(self.spec.past_names, self.spec.present_names, strict=True)
@@ -244,5 +283,5 @@ class SharedBufferRunner(ModelRunner):
                 binding.bind_ortvalue_input(pv, views[2 * layer + 1])
                 binding.bind_ortvalue_output(ok, views[2 * layer])
                 binding.bind_ortvalue_output(ov, views[2 * layer + 1])
-            self._bindings[(lo, hi)] = binding
+            self._bindings[(lo, hi, wide)] = binding
         return binding
