@@ -120,7 +120,13 @@ class InProcessEngine:
 class ServerProcess:
     """``genai-server`` on a free 127.0.0.1 port, with its RSS watched from start to stop."""
 
-    def __init__(self, model_dir: str, threads: int, start_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        threads: int,
+        start_timeout_s: float = 600.0,
+        extra_args: Sequence[str] = (),
+    ) -> None:
         self.port = free_port()
         self.target = f"127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the server
@@ -136,6 +142,7 @@ class ServerProcess:
             "--max-num-seqs", str(MAX_NUM_SEQS),
             "--max-batched-tokens", str(MAX_BATCHED_TOKENS),
             "--grace-period", "5",
+            *extra_args,
         ]  # fmt: skip
         self.proc = subprocess.Popen(
             cmd,

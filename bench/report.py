@@ -365,6 +365,55 @@ def markdown(r: Results) -> str:
                 ],
                 rows,
             )
+    sp = r.get("speculation")
+    if sp:
+        lines += [
+            f"### Speculative decoding: single streams through a server with `--speculate "
+            f"{sp['draft_tokens']}`",
+            "",
+            "Not part of the targets above (those compare the same work: one token per "
+            "step). Prompt-lookup drafts pay off where the answer quotes the prompt. "
+            f"Tasks (chat prompts, {meta['plan']['single_new_tokens']} new tokens, greedy): "
+            "`copy` asks for its numbered "
+            "notes back, corrected; `free` asks for a short story; `notes` is 512 tokens "
+            'of the numbered notes as in the single-stream table. "same": the first 32 '
+            "tokens equal the plain server's, per rep (see docs/design.md on rounding).",
+            "",
+        ]
+        rows = []
+        for task in sp["ours_server"]:
+            plain, spec, og = (
+                sp[e][task] for e in ("ours_server", "ours_speculating", "og_share_true")
+            )
+            rows.append(
+                [
+                    task,
+                    "/".join(str(n) for n in sp["prompt_tokens"][task]),
+                    plain["decode_tok_s"],
+                    spec["decode_tok_s"],
+                    og["decode_tok_s"],
+                    _ratio(spec["decode_tok_s"], og["decode_tok_s"]),
+                    _ratio(spec["decode_tok_s"], plain["decode_tok_s"]),
+                    spec["ttft_s"],
+                    og["ttft_s"],
+                    " ".join("yes" if x else "no" for x in sp["same_first_32"][task]),
+                ]
+            )
+        lines += _table(
+            [
+                "task",
+                "prompt tokens",
+                "plain server tok/s",
+                "speculating tok/s",
+                "og.Generator tok/s",
+                "speculating/og",
+                "speculating/plain",
+                "speculating TTFT (s)",
+                "og TTFT (s)",
+                "same",
+            ],
+            rows,
+        )
     cold = r.get("cold_start")
     if cold:
         o, g = cold["ours"], cold["og"]

@@ -36,7 +36,7 @@ from .suite import NOISY_CORES, Bench
 from .workload import Plan
 
 log = structlog.get_logger("bench")
-SECTIONS = ("single", "sessions", "concurrency", "kvstore")
+SECTIONS = ("single", "sessions", "concurrency", "speculation", "kvstore")
 DOC = REPO / "docs" / "benchmarks.md"
 DOC_HEADER = """# Benchmarks
 

@@ -336,6 +336,64 @@ class Bench:
                 out[shape][str(n)] = {name: summarize(v, keys) for name, v in sink.items()}
         return out
 
+    # -- 4. speculative decoding ---------------------------------------------------------------
+
+    def speculation(self) -> dict:
+        """Single streams through a second server started with ``--speculate``,
+        next to the plain server and og.Generator, on three kinds of task."""
+        new = self.plan.single_new_tokens
+        k = self.plan.speculate
+        spec_server = ServerProcess(
+            self.model_dir, self.plan.threads, extra_args=["--speculate", str(k)]
+        )
+        spec_client = Client(spec_server.target)
+        engines = ["ours_server", "ours_speculating", "og_share_true"]
+        raw: dict[str, dict[str, list[dict]]] = {e: {} for e in engines}
+        try:
+            server_single(spec_client, self.workload.warmup, 8)
+            for task, prompts in self.workload.speculation.items():
+
+                def run(ids: list[int]) -> tuple[dict[str, Any], float]:
+                    calls: dict[str, tuple[Callable[..., Any], tuple, dict]] = {
+                        "ours_server": (server_single, (self._client, ids, new), {}),
+                        "ours_speculating": (server_single, (spec_client, ids, new), {}),
+                        "og_share_true": (
+                            self.og["og_share_true"].call,
+                            ("single",),
+                            {"ids": ids, "new_tokens": new},
+                        ),
+                    }
+                    out, worst = {}, 0.0
+                    for name, (fn, args, kwargs) in self._in_turn(calls):
+                        result, foreign = self._timed(fn, *args, **kwargs)
+                        out[name] = {**result, "foreign_cores": foreign}
+                        worst = max(worst, foreign)
+                    return out, worst
+
+                for rep, ids in enumerate(prompts):
+                    # no fresh prompts for a noisy rep: a task's prompts are few
+                    results = self._rep(f"speculation {task} rep {rep}", ids, list(ids).copy, run)
+                    for name, result in results.items():
+                        raw[name].setdefault(task, []).append(result)
+                    log.info("speculation", task=task, rep=rep)
+        finally:
+            spec_client.close()
+            spec_server.stop()
+        keys = ("ttft_s", "decode_tok_s")
+        out: dict = {e: {t: summarize(v, keys) for t, v in raw[e].items()} for e in engines}
+        out["draft_tokens"] = k
+        out["prompt_tokens"] = {
+            t: [len(i) for i in p] for t, p in self.workload.speculation.items()
+        }
+        out["same_first_32"] = {
+            t: [
+                a["token_ids"] == b["token_ids"]
+                for a, b in zip(raw["ours_server"][t], raw["ours_speculating"][t], strict=True)
+            ]
+            for t in raw["ours_server"]
+        }
+        return out
+
     # -- teardown ----------------------------------------------------------------------------
 
     def close(self) -> dict:

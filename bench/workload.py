@@ -75,8 +75,19 @@ class TokenSource:
         from tokenizers import Tokenizer  # the engine's own dependency
 
         tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+        self.tokenizer = tok
+        self.model_dir = Path(model_dir)
         self.stream: list[int] = tok.encode(corpus_text(lines), add_special_tokens=False).ids
         self._cursor = 0
+
+    def chat(self, user: str) -> list[int]:
+        """``user`` as one chat turn in the model's template, ready for a reply."""
+        from genai_service.engine.tokenizer import Tokenizer as EngineTokenizer
+
+        text = EngineTokenizer.from_dir(self.model_dir).apply_chat_template(
+            [{"role": "user", "content": user}]
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def take(self, length: int) -> list[int]:
         """The next ``length`` ids; successive prompts start at different offsets."""
@@ -102,8 +113,9 @@ class Plan:
     session_conversations: int = 4  # the interleaved case
     concurrency: tuple[int, ...] = (1, 2, 4, 8)
     shapes: tuple[tuple[int, int], ...] = ((64, 256), (512, 128))  # (prompt, new tokens)
+    speculate: int = 4  # draft tokens of the speculating server (``speculation`` section)
     quick: bool = False
-    sections: tuple[str, ...] = ("single", "sessions", "concurrency")
+    sections: tuple[str, ...] = ("single", "sessions", "concurrency", "speculation")
 
     @classmethod
     def quick_plan(cls, sections: tuple[str, ...]) -> Plan:
@@ -141,6 +153,8 @@ class Workload:
     concurrency: dict[tuple[int, int], dict[int, list[list[list[int]]]]] = field(
         default_factory=dict
     )
+    # task -> per rep: a chat prompt (see speculation_prompts)
+    speculation: dict[str, list[list[int]]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, plan: Plan, source: TokenSource) -> Workload:
@@ -160,7 +174,35 @@ class Workload:
                 n: [[source.take(shape[0]) for _ in range(n)] for _ in range(plan.reps)]
                 for n in plan.concurrency
             }
+        w.speculation = speculation_prompts(source, plan.reps)
         return w
+
+
+_STORIES = (
+    "a lighthouse keeper who finds a message in a bottle",
+    "a baker who opens a shop on the moon",
+    "two friends lost in a snowy forest",
+    "a robot learning to paint",
+    "a cat that runs the village post office",
+)
+
+
+def speculation_prompts(source: TokenSource, reps: int) -> dict[str, list[list[int]]]:
+    """Chat prompts for the speculation section, per rep: ``copy`` asks for its
+    own text back, corrected (answers quote the prompt: prompt-lookup drafts
+    fit); ``free`` asks for a story (little to quote: drafts mostly fail);
+    ``notes`` is the single-stream section's kind of prompt, 512 tokens of the
+    numbered notes, which the model continues in the same pattern."""
+    out: dict[str, list[list[int]]] = {"copy": [], "free": [], "notes": []}
+    for rep in range(reps):
+        notes = source.tokenizer.decode(source.take(160))
+        paragraph = notes[notes.find("Note") :]
+        out["copy"].append(
+            source.chat(f"Rewrite these notes, correcting any mistakes:\n\n{paragraph}")
+        )
+        out["free"].append(source.chat(f"Write a short story about {_STORIES[rep % 5]}."))
+        out["notes"].append(source.take(512))
+    return out
 
 
 # -- statistics ----------------------------------------------------------------
