@@ -319,3 +319,30 @@ def test_server_flags(tmp_path: Path) -> None:
         config("--speculate", "-1")
     with pytest.raises(ValueError, match="max_batch must be > 0, got 0"):
         config("--speculate", "4", "--speculate-max-batch", "0")
+
+
+def test_a_speculating_server_streams_the_same_tokens(tiny_models: dict[str, Path]) -> None:
+    """Through GenerateStream (deltas may carry several tokens either way: the
+    frontend merges the ones its consumer has not taken yet)."""
+    from genai_client import Client
+    from genai_service.config import ServerConfig
+    from tests.server_harness import ServerThread, free_port
+
+    streams = {}
+    for k in (0, 4):
+        engine = EngineConfig(
+            model_dir=str(tiny_models["gqa"]), speculation=SpeculationConfig(num_tokens=k)
+        )
+        srv = ServerThread(ServerConfig(engine=engine, port=free_port())).start()
+        try:
+            with Client(srv.target) as client:
+                deltas = list(
+                    client.stream(
+                        token_ids=encode_words(PROMPT), max_new_tokens=24, ignore_eos=True
+                    )
+                )
+        finally:
+            srv.stop()
+        streams[k] = [d.token_ids for d in deltas if d.token_ids]
+    flat = {k: [t for ids in v for t in ids] for k, v in streams.items()}
+    assert flat[4] == flat[0] and len(flat[0]) == 24
