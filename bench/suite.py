@@ -126,6 +126,18 @@ class Bench:
         self._turn += 1
         return items[k:] + items[:k]
 
+    def _run_in_turn(
+        self, calls: dict[str, tuple[Callable[..., Any], tuple, dict]]
+    ) -> tuple[dict[str, Any], float]:
+        """The calls of one rep, timed, in turn (``_in_turn``): each result with
+        the cores other work took meanwhile, and the worst of those."""
+        out, worst = {}, 0.0
+        for name, (fn, args, kwargs) in self._in_turn(calls):
+            result, foreign = self._timed(fn, *args, **kwargs)
+            out[name] = {**result, "foreign_cores": foreign}
+            worst = max(worst, foreign)
+        return out, worst
+
     def _rep(
         self,
         what: str,
@@ -208,12 +220,7 @@ class Bench:
                         ("single",),
                         {"ids": ids, "new_tokens": new},
                     )
-                out, worst = {}, 0.0
-                for name, (fn, args, kwargs) in self._in_turn(calls):
-                    result, foreign = self._timed(fn, *args, **kwargs)
-                    out[name] = {**result, "foreign_cores": foreign}
-                    worst = max(worst, foreign)
-                return out, worst
+                return self._run_in_turn(calls)
 
             for rep, ids in enumerate(prompts):
                 results = self._rep(
@@ -312,13 +319,15 @@ class Bench:
                     "ours_inproc": (self.inproc.concurrent, (prompts, new), {}),
                     "og": (og.call, ("concurrent",), {"prompts": prompts, "new_tokens": new}),
                 }
-                out, worst = {}, 0.0
-                for name, (fn, args, kwargs) in self._in_turn(calls):
-                    raw, foreign = self._timed(fn, *args, **kwargs)
-                    stats = concurrency_stats(raw["submit"], raw["streams"])
-                    out[name] = {**stats, "foreign_cores": foreign}
-                    worst = max(worst, foreign)
-                return out, worst
+                out, worst = self._run_in_turn(calls)
+                stats = {
+                    name: {
+                        **concurrency_stats(r["submit"], r["streams"]),
+                        "foreign_cores": r["foreign_cores"],
+                    }
+                    for name, r in out.items()
+                }
+                return stats, worst
 
             for n, reps in levels.items():
                 sink: dict[str, list[dict]] = {"ours": [], "ours_inproc": [], "og": []}
@@ -363,12 +372,7 @@ class Bench:
                             {"ids": ids, "new_tokens": new},
                         ),
                     }
-                    out, worst = {}, 0.0
-                    for name, (fn, args, kwargs) in self._in_turn(calls):
-                        result, foreign = self._timed(fn, *args, **kwargs)
-                        out[name] = {**result, "foreign_cores": foreign}
-                        worst = max(worst, foreign)
-                    return out, worst
+                    return self._run_in_turn(calls)
 
                 for rep, ids in enumerate(prompts):
                     # no fresh prompts for a noisy rep: a task's prompts are few
