@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from genai_service.config import EngineConfig, RunnerConfig, SpeculationConfig
+from genai_service.config import CacheConfig, EngineConfig, RunnerConfig, SpeculationConfig
 from genai_service.engine.engine import LLMEngine
 from genai_service.engine.model_dir import load_model_spec
 from genai_service.engine.model_runner import PastPresentRunner, StepItem
@@ -346,3 +346,62 @@ def test_a_speculating_server_streams_the_same_tokens(tiny_models: dict[str, Pat
         streams[k] = [d.token_ids for d in deltas if d.token_ids]
     flat = {k: [t for ids in v for t in ids] for k, v in streams.items()}
     assert flat[4] == flat[0] and len(flat[0]) == 24
+
+
+@pytest.mark.parametrize("n", [5, 6, 7])
+def test_chunks_shared_after_a_finish_inside_a_draft_are_the_plain_ones(
+    n: int, tiny_models: dict[str, Path]
+) -> None:
+    """The runner still holds the rest of the draft's KV when the sequence finishes
+    mid-draft; the chunks it shares must cover its own tokens only. (Equal up to
+    float rounding: a draft's positions are computed in one several-token step.)"""
+    model_dir = tiny_models["gqa"]
+    prompt = encode_words("the cat sat on the mat and the dog")  # 9 tokens, chunks of 4
+    engines = {}
+    for k in (0, 4):
+        config = EngineConfig(
+            model_dir=str(model_dir),
+            cache=CacheConfig(chunk_size=4),
+            speculation=SpeculationConfig(num_tokens=k),
+        )
+        engines[k] = LLMEngine(config)
+    answer = engines[0].generate(GenerationRequest("a", tuple(prompt), stopping=stopping_for(n)))
+    oracle(engines[4], answer.token_ids, len(prompt))
+    got = engines[4].generate(GenerationRequest("a", tuple(prompt), stopping=stopping_for(n)))
+    assert got.token_ids == answer.token_ids
+    assert engines[4].counters["spec_accepted_tokens"] > 0
+    plain, spec = engines[0].prefix_index, engines[4].prefix_index
+    keys = list(plain._entries)
+    # prompt + all but the last generated token have KV: (9 + n - 1) // 4 chunks
+    assert len(keys) == (len(prompt) + n - 1) // 4 == len(spec)
+    for key in keys:
+        for (k1, v1), (k2, v2) in zip(plain.get(key), spec.get(key), strict=True):
+            np.testing.assert_allclose(k1, k2, atol=1e-5)
+            np.testing.assert_allclose(v1, v2, atol=1e-5)
+
+
+def stopping_for(n: int) -> StoppingCriteria:
+    return StoppingCriteria(max_new_tokens=n, ignore_eos=True)
+
+
+@pytest.mark.parametrize("kind", RUNNERS)
+def test_speculation_stops_at_the_context_window(
+    kind: str, tiny_models: dict[str, Path], short_context_model_dir: Path
+) -> None:
+    model_dir = short_context_model_dir if kind == "rope" else tiny_models[kind]
+    # 16 positions for the short model; the GQA one is capped to 20 here
+    cap = None if kind == "rope" else 20
+    results = []
+    for k in (0, 4):
+        config = EngineConfig(
+            model_dir=str(model_dir),
+            max_context_length=cap,
+            speculation=SpeculationConfig(num_tokens=k),
+        )
+        engine = LLMEngine(config)
+        results.append(engine.generate(request("c", "the cat sat on the mat and the", 64)))
+    assert results[0].finish_reason is FinishReason.CONTEXT_LENGTH
+    assert (results[1].token_ids, results[1].finish_reason) == (
+        results[0].token_ids,
+        results[0].finish_reason,
+    )
