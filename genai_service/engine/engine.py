@@ -49,7 +49,7 @@ from .sessions import (
     session_from_record,
     session_record,
 )
-from .speculation import PromptLookup
+from .speculation import PromptLookup, follow_draft
 from .stops import StopStringMatcher
 from .tokenizer import Tokenizer
 from .validation import resolve_max_new_tokens, validate_request
@@ -225,7 +225,7 @@ class LLMEngine:
         self.last_step_idle = not batch and not stored
         if not batch:
             return outputs
-        drafts = self._drafts(batch.items)
+        drafts = self._drafter.drafts(batch.items, self.context_length) if self._drafter else {}
         plain = [item for item in batch.items if item[0].seq_id not in drafts]
         items = [
             StepItem(
@@ -397,52 +397,16 @@ class LLMEngine:
 
     # -- speculative decoding (config.speculation) --------------------------------
 
-    def _drafts(self, items: list[tuple[Sequence, int]]) -> dict[int, list[int]]:
-        """seq_id -> draft tokens, for the decoding sequences of a step that may
-        speculate: only steps of decodes alone, at most ``max_batch`` of them."""
-        drafter = self._drafter
-        if drafter is None or len(items) > self.config.speculation.max_batch:
-            return {}
-        if any(
-            n != 1 or not seq.output_ids or seq.status is not SeqStatus.RUNNING for seq, n in items
-        ):
-            return {}
-        drafts = {}
-        for seq, _ in items:
-            # Every accepted token and the one after them must fit the request's
-            # max_new_tokens and the context.
-            limit = min(
-                seq.max_new_tokens - len(seq.output_ids) - 1,
-                self.context_length - len(seq.token_ids) - 1,
-            )
-            draft = drafter.propose(seq.seq_id, seq.token_ids, limit)
-            if draft:
-                drafts[seq.seq_id] = draft
-        return drafts
-
     @staticmethod
     def _draft_item(seq: Sequence, draft: list[int]) -> StepItem:
         """The sequence's last token followed by the draft, in one step."""
         return StepItem(seq.seq_id, (seq.token_ids[-1], *draft), seq.num_computed)
 
     def _accept(self, seq: Sequence, draft: list[int], rows: np.ndarray) -> RequestOutput:
-        """Choose tokens from ``rows`` (the logits after the last token and after
-        each draft token) as a plain decode would, one position after another,
-        while they agree with the draft; keep the KV of the agreed draft tokens
-        only. Returns the step's tokens as one output."""
-        chosen: list[tuple[int, TokenLogprob | None]] = []
-        for j, row in enumerate(rows):
-            pending = [t for t, _ in chosen]
-            if plain_greedy(seq, len(pending)):
-                chosen.append((int(np.argmax(row)), None))
-            else:
-                picked = sampling.sample(
-                    row[None],
-                    sampling.prepare([sampling_row(seq, self.spec.sampling_defaults, pending)]),
-                )
-                chosen.append(self._picked(seq, picked, 0))
-            if j == len(draft) or chosen[-1][0] != draft[j]:
-                break
+        """Pick tokens from ``rows`` as a plain decode would (``follow_draft``),
+        append them one by one, and keep the KV of the agreed draft tokens only.
+        Returns the step's tokens as one output."""
+        chosen = follow_draft(draft, rows, lambda row, picked: self._choose(seq, row, picked))
         self.counters["spec_draft_tokens"] += len(draft)
         self.counters["spec_accepted_tokens"] += len(chosen) - 1
         assert self._drafter is not None
@@ -462,6 +426,16 @@ class LLMEngine:
             self.runner.truncate(seq.seq_id, seq.num_computed)  # drop rejected drafts' KV
         assert out is not None  # rows always has at least one row
         return out
+
+    def _choose(
+        self, seq: Sequence, row: np.ndarray, pending: list[int]
+    ) -> tuple[int, TokenLogprob | None]:
+        """The token a plain decode of ``seq`` would pick from ``row`` after
+        ``pending`` (picked, not yet appended)."""
+        if plain_greedy(seq, len(pending)):
+            return int(np.argmax(row)), None
+        args = sampling.prepare([sampling_row(seq, self.spec.sampling_defaults, pending)])
+        return self._picked(seq, sampling.sample(row[None], args), 0)
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> RequestOutput:
         seq.token_ids.append(token)

@@ -14,9 +14,16 @@ since, so a step costs a few dict operations, not a scan of the context.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import numpy as np
 
 from ..config import SpeculationConfig
+from .sequence import SeqStatus
+from .sequence import Sequence as Seq
+
+T = TypeVar("T")
 
 
 class _NgramIndex:
@@ -63,9 +70,31 @@ class PromptLookup:
 
     def __init__(self, config: SpeculationConfig) -> None:
         self.num_tokens = config.num_tokens
+        self.max_batch = config.max_batch
         self._sizes = range(config.ngram_min, config.ngram_max + 1)
         self._index: dict[int, _NgramIndex] = {}
         self._backoff: dict[int, tuple[int, int]] = {}  # seq_id -> (steps left, last span)
+
+    def drafts(self, items: Sequence[tuple[Seq, int]], context_length: int) -> dict[int, list[int]]:
+        """seq_id -> draft, for the sequences of a step that may speculate: only
+        steps that decode alone (no prefill, no session commit), at most
+        ``max_batch`` sequences."""
+        if len(items) > self.max_batch:
+            return {}
+        if any(n != 1 or not s.output_ids or s.status is not SeqStatus.RUNNING for s, n in items):
+            return {}
+        drafts = {}
+        for seq, _ in items:
+            # Every kept draft token and the token after them must fit the
+            # request's max_new_tokens and the context.
+            limit = min(
+                seq.max_new_tokens - len(seq.output_ids) - 1,
+                context_length - len(seq.token_ids) - 1,
+            )
+            draft = self.propose(seq.seq_id, seq.token_ids, limit)
+            if draft:
+                drafts[seq.seq_id] = draft
+        return drafts
 
     def propose(self, seq_id: int, tokens: Sequence[int], limit: int) -> list[int]:
         """Up to ``min(num_tokens, limit)`` tokens guessed to follow ``tokens``
@@ -96,3 +125,18 @@ class PromptLookup:
     def forget(self, seq_id: int) -> None:
         self._index.pop(seq_id, None)
         self._backoff.pop(seq_id, None)
+
+
+def follow_draft(
+    draft: Sequence[int], rows: np.ndarray, choose: Callable[[np.ndarray, list[int]], tuple[int, T]]
+) -> list[tuple[int, T]]:
+    """Pick a token from each row of ``rows`` (the logits after the last token and
+    after each draft token) in turn, ``choose(row, tokens picked so far)``, while
+    the picks agree with ``draft``: the first pick that differs, or the one after
+    the whole draft, is the last. Returns 1 to ``len(draft) + 1`` picks."""
+    picks: list[tuple[int, T]] = []
+    for j, row in enumerate(rows):
+        picks.append(choose(row, [t for t, _ in picks]))
+        if j == len(draft) or picks[-1][0] != draft[j]:
+            break
+    return picks
