@@ -26,7 +26,6 @@ from .kv_connector import KvChunkStore
 from .kv_reuse import KvReuse
 from .model_dir import ModelSpec, load_model_spec
 from .model_runner import ModelRunner, StepItem, create_runner
-from .prefix_cache import kv_nbytes
 from .request import (
     FinishReason,
     GenerationRequest,
@@ -584,26 +583,8 @@ class LLMEngine:
             session.kv, session.kv_len = self.kv_reuse.snapshot(seq, n), n
         session.committing = False
         self._retire(seq)
-        self._enforce_parked_budget()
-
-    def _enforce_parked_budget(self) -> None:
-        """Drop the least recently used parked session KV beyond the memory budget."""
-        budget = self.config.sessions.max_parked_kv_bytes
-        parked = [(s, s.kv) for s in self.sessions.list() if s.kv is not None]
-        # Sessions may share chunks (with the prefix index, and so with each
-        # other): count each chunk once, and free its bytes with its last holder.
-        holders: Counter[int] = Counter(id(c) for _, kv in parked for c in kv)
-        unique = {id(c): c for _, kv in parked for c in kv}
-        total = sum(kv_nbytes(c) for c in unique.values())
-        for session, kv in sorted(parked, key=lambda p: p[0].last_used_at):
-            if total <= budget:
-                break
-            for chunk in kv:
-                holders[id(chunk)] -= 1
-                if not holders[id(chunk)]:
-                    total -= kv_nbytes(chunk)
-            session.kv, session.kv_len = None, 0
-            self.counters["session_kv_evicted"] += 1
+        dropped = self.sessions.trim_parked_kv(self.config.sessions.max_parked_kv_bytes)
+        self.counters["session_kv_evicted"] += dropped
 
     def _save_session(self, session: Session) -> None:
         if self.remote is not None:

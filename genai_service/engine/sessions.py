@@ -17,6 +17,7 @@ import json
 import re
 import secrets
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 import structlog
 
 from ..errors import FailedPrecondition, NotFound, ResourceExhausted
+from .prefix_cache import kv_nbytes
 
 log = structlog.get_logger(__name__)
 
@@ -193,6 +195,28 @@ class SessionTable:
     def list(self) -> list[Session]:
         self.expire_idle()
         return list(self._sessions.values())
+
+    def trim_parked_kv(self, budget_bytes: int) -> int:
+        """Drop the parked KV of the least recently used sessions until what is
+        parked fits ``budget_bytes``; returns how many sessions lost theirs
+        (their next turn recomputes the history, or fetches it from the kvstore)."""
+        parked = [(s, s.kv) for s in self.list() if s.kv is not None]  # expires idle ones first
+        # Sessions may share chunks (with the prefix index, and so with each
+        # other): count each chunk once, and free its bytes with its last holder.
+        holders: Counter[int] = Counter(id(c) for _, kv in parked for c in kv)
+        unique = {id(c): c for _, kv in parked for c in kv}
+        total = sum(kv_nbytes(c) for c in unique.values())
+        dropped = 0
+        for session, kv in sorted(parked, key=lambda p: p[0].last_used_at):
+            if total <= budget_bytes:
+                break
+            for chunk in kv:
+                holders[id(chunk)] -= 1
+                if not holders[id(chunk)]:
+                    total -= kv_nbytes(chunk)
+            session.kv, session.kv_len = None, 0
+            dropped += 1
+        return dropped
 
     def expire_idle(self) -> builtins.list[Session]:
         now = self._clock()
