@@ -44,6 +44,9 @@ class SchedulerConfig:
         _positive("max_queue", self.max_queue)
 
 
+MAX_DRAFT_TOKENS = 32  # a check of that many tokens costs several plain steps
+
+
 @dataclass(frozen=True)
 class SpeculationConfig:
     """Prompt-lookup speculative decoding (off unless ``num_tokens`` > 0).
@@ -55,14 +58,16 @@ class SpeculationConfig:
     step too. The output is the same as without speculation.
     """
 
-    num_tokens: int = 0  # draft tokens per step (genai-server --speculate)
+    num_tokens: int = 0  # draft tokens per step (genai-server --speculate), 0..MAX_DRAFT_TOKENS
     max_batch: int = 1  # speculate only while this many sequences or fewer decode
     ngram_max: int = 3
     ngram_min: int = 1
 
     def __post_init__(self) -> None:
-        if self.num_tokens < 0:
-            raise ValueError(f"speculation num_tokens must be >= 0, got {self.num_tokens}")
+        if not 0 <= self.num_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(
+                f"speculation num_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {self.num_tokens}"
+            )
         _positive("speculation max_batch", self.max_batch)
         _positive("speculation ngram_min", self.ngram_min)
         if self.ngram_max < self.ngram_min:

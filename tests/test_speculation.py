@@ -315,8 +315,10 @@ def test_server_flags(tmp_path: Path) -> None:
 
     assert config() == SpeculationConfig(num_tokens=0)
     assert config("--speculate", "4", "--speculate-max-batch", "2") == SpeculationConfig(4, 2)
-    with pytest.raises(ValueError, match="num_tokens must be >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"num_tokens must be in \[0, 32\], got -1"):
         config("--speculate", "-1")
+    with pytest.raises(ValueError, match=r"num_tokens must be in \[0, 32\], got 33"):
+        config("--speculate", "33")
     with pytest.raises(ValueError, match="max_batch must be > 0, got 0"):
         config("--speculate", "4", "--speculate-max-batch", "0")
 
