@@ -6,7 +6,9 @@ down to ``ngram_min``) and propose the tokens that followed there. Text that
 quotes or edits its prompt (summaries, code changes, extraction, multi-turn
 chat that repeats names) is full of such runs. The engine feeds the last token
 plus the draft in one step and keeps every draft token the model itself would
-have chosen (``LLMEngine._speculate``), so the output does not change.
+have chosen (``LLMEngine._accept`` with ``follow_draft`` below): the same
+tokens as without speculation, up to the rounding of a several-token step
+(docs/design.md, "Speculative decoding").
 
 The index is built once per sequence and extended by the tokens appended
 since, so a step costs a few dict operations, not a scan of the context.
