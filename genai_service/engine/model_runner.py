@@ -65,6 +65,14 @@ class ModelRunner(ABC):
     def release(self, seq_id: int) -> None:
         """Free everything held for ``seq_id`` (no-op if nothing is)."""
 
+    def _check_start(self, item: StepItem) -> None:
+        """``item`` must continue its sequence's KV exactly where it ends."""
+        held = self.kv_len(item.seq_id)
+        if held != item.start:
+            raise ValueError(
+                f"sequence {item.seq_id}: step starts at {item.start} but {held} tokens of KV"
+            )
+
     @property
     def can_verify(self) -> bool:
         """Whether ``verify`` works: the graph gives logits for every position,
@@ -170,13 +178,6 @@ class PastPresentRunner(ModelRunner):
     def verify(self, item: StepItem) -> np.ndarray:
         self._check_start(item)
         return self._run_batch([item], keep=len(item.token_ids))[0]
-
-    def _check_start(self, item: StepItem) -> None:
-        held = self.kv_len(item.seq_id)
-        if held != item.start:
-            raise ValueError(
-                f"sequence {item.seq_id}: step starts at {item.start} but {held} tokens of KV"
-            )
 
     def _vocab_dim(self) -> int:
         return self.spec.vocab_size

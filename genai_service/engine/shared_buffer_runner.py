@@ -197,11 +197,7 @@ class SharedBufferRunner(ModelRunner):
 
     def _admit(self, item: StepItem) -> None:
         """Check that ``item`` continues its sequence's KV and fits; give it a slot."""
-        held = self.kv_len(item.seq_id)
-        if held != item.start:
-            raise ValueError(
-                f"sequence {item.seq_id}: step starts at {item.start} but {held} tokens of KV"
-            )
+        self._check_start(item)
         if item.start + len(item.token_ids) > self.max_len:
             raise ValueError(
                 f"sequence {item.seq_id}: {item.start + len(item.token_ids)} tokens exceed "
