@@ -214,7 +214,7 @@ class KvReuse:
             return
         size = self.chunk_size
         for other in list(self._unshared):
-            if self.runner.kv_len(other.seq_id) < (i + 1) * size or other.stored_chunks > i:
+            if self._kv_len(other) < (i + 1) * size or other.stored_chunks > i:
                 continue
             # Keys chain over the whole prefix: equal i-th keys, equal prefixes.
             if chunk_keys(self.namespace, other.token_ids[: (i + 1) * size], size)[i] == keys[i]:
