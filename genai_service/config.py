@@ -55,7 +55,9 @@ class SpeculationConfig:
     ``num_tokens`` tokens are guessed from an earlier occurrence of its last
     ``ngram_max``..``ngram_min`` tokens in its own context, and one step checks
     the guess: every guessed token the model agrees with comes out of that
-    step too. The output is the same as without speculation.
+    step too. Tokens are chosen as without speculation; graphs whose matmuls
+    round a several-token step differently (int8 activations) may break
+    near-ties the other way (docs/design.md).
     """
 
     num_tokens: int = 0  # draft tokens per step (genai-server --speculate), 0..MAX_DRAFT_TOKENS
