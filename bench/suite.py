@@ -12,6 +12,7 @@ budget; the least disturbed attempt is kept and flagged if still noisy.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -376,7 +377,9 @@ class Bench:
 
                 for rep, ids in enumerate(prompts):
                     # no fresh prompts for a noisy rep: a task's prompts are few
-                    results = self._rep(f"speculation {task} rep {rep}", ids, list(ids).copy, run)
+                    results = self._rep(
+                        f"speculation {task} rep {rep}", ids, functools.partial(list, ids), run
+                    )
                     for name, result in results.items():
                         raw[name].setdefault(task, []).append(result)
                     log.info("speculation", task=task, rep=rep)

@@ -9,12 +9,17 @@ where a measurement means it to (a session's own history).
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from genai_service.engine.tokenizer import Tokenizer as EngineTokenizer
 
 _SUBJECTS = (
     "The river pilot",
@@ -80,13 +85,16 @@ class TokenSource:
         self.stream: list[int] = tok.encode(corpus_text(lines), add_special_tokens=False).ids
         self._cursor = 0
 
+    @functools.cached_property
+    def _templates(self) -> EngineTokenizer:
+        """The engine's tokenizer, for its chat template (loaded once)."""
+        from genai_service.engine.tokenizer import Tokenizer
+
+        return Tokenizer.from_dir(self.model_dir)
+
     def chat(self, user: str) -> list[int]:
         """``user`` as one chat turn in the model's template, ready for a reply."""
-        from genai_service.engine.tokenizer import Tokenizer as EngineTokenizer
-
-        text = EngineTokenizer.from_dir(self.model_dir).apply_chat_template(
-            [{"role": "user", "content": user}]
-        )
+        text = self._templates.apply_chat_template([{"role": "user", "content": user}])
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def take(self, length: int) -> list[int]:
