@@ -3,7 +3,6 @@ and an engine whose output is the same with speculation as without."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -237,23 +236,25 @@ def test_stop_rules_inside_an_accepted_draft(kind: str, tiny_models: dict[str, P
     stopping = StoppingCriteria(max_new_tokens=12, ignore_eos=True, stop_sequences=(stop_word,))
     plain = engine_for(model_dir).generate(request("s", PROMPT, 12, stopping=stopping))
     assert plain.finish_reason is FinishReason.STOP_SEQUENCE
-    for n in (12, 3):  # a stop string, then max_new_tokens, inside one accepted draft
-        stopping = dataclasses.replace(stopping, max_new_tokens=n, stop_sequences=(stop_word,))
-        if n == 3:
-            stopping = dataclasses.replace(stopping, stop_sequences=())
+
+    def speculating(stopping: StoppingCriteria) -> GenerationResult:
         engine = engine_for(model_dir, num_tokens=4)
         oracle(engine, want.token_ids, len(encode_words(PROMPT)))
-        got = engine.generate(request("s", PROMPT, n, stopping=stopping))
-        if n == 12:
-            assert (got.text, got.token_ids, got.finish_reason) == (
-                plain.text,
-                plain.token_ids,
-                plain.finish_reason,
-            )
-        else:
-            assert got.token_ids == want.token_ids[:3]
-            assert got.finish_reason is FinishReason.MAX_TOKENS
+        got = engine.generate(request("s", PROMPT, 0, stopping=stopping))
         assert got.usage.completion_tokens == len(got.token_ids)
+        return got
+
+    # a stop string inside an accepted draft
+    got = speculating(stopping)
+    assert (got.text, got.token_ids, got.finish_reason) == (
+        plain.text,
+        plain.token_ids,
+        plain.finish_reason,
+    )
+    # max_new_tokens inside an accepted draft
+    got = speculating(StoppingCriteria(max_new_tokens=3, ignore_eos=True))
+    assert got.token_ids == want.token_ids[:3]
+    assert got.finish_reason is FinishReason.MAX_TOKENS
 
 
 @pytest.mark.parametrize("kind", RUNNERS)
