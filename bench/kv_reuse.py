@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from genai_service.config import CacheConfig, EngineConfig, KvStoreConfig, RunnerConfig
+from genai_service.config import CacheConfig, EngineConfig, RunnerConfig
 from genai_service.engine.engine import LLMEngine
 from genai_service.engine.request import GenerationRequest, StoppingCriteria
 
@@ -62,7 +62,7 @@ def measure(
                     model_dir=model_dir,
                     runner=RunnerConfig(intra_op_threads=threads),
                     cache=CacheConfig(chunk_size=chunk),
-                    kvstore=KvStoreConfig(kv.target, timeout_s=10.0),
+                    kvstore=kv.config(timeout_s=10.0),
                 )
             )
             # Warm up as genai-server does before it reports SERVING, so neither

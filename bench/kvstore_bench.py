@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -28,6 +29,7 @@ from kvstore.blob import checksum, pack_kv
 from kvstore.client import AsyncKvStoreClient, KvStoreClient
 
 REPO = Path(__file__).resolve().parent.parent
+TOKEN = secrets.token_urlsafe(32)  # the data-plane token of the kvstore started here
 
 
 def chunk_blob(layers: int, kv_heads: int, tokens: int, head_dim: int, seed: int) -> bytes:
@@ -47,7 +49,7 @@ def start_server(memory_bytes: int) -> tuple[subprocess.Popen[str], int]:
         cwd=REPO,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": str(REPO), "GENAI_KVSTORE_AUTH_TOKEN": TOKEN},
     )
     assert proc.stderr is not None
     deadline = time.monotonic() + 30
@@ -63,7 +65,7 @@ def start_server(memory_bytes: int) -> tuple[subprocess.Popen[str], int]:
 
 
 def sync_gets(target: str, keys: list[bytes], gets: int, verify: bool) -> float:
-    with KvStoreClient(target, timeout_s=60, verify=verify) as client:
+    with KvStoreClient(target, auth_token=TOKEN, timeout_s=60, verify=verify) as client:
         client.get(keys[0])  # warm the connection
         start = time.perf_counter()
         total = 0
@@ -75,7 +77,7 @@ def sync_gets(target: str, keys: list[bytes], gets: int, verify: bool) -> float:
 
 
 async def async_gets(target: str, keys: list[bytes], gets: int, concurrency: int) -> float:
-    async with AsyncKvStoreClient(target, timeout_s=60) as client:
+    async with AsyncKvStoreClient(target, auth_token=TOKEN, timeout_s=60) as client:
         await client.get(keys[0])
         queue = list(range(gets))
         total = 0
@@ -107,7 +109,7 @@ def measure(
     proc, port = start_server(memory_bytes=2 * sum(map(len, blobs)))
     target = f"127.0.0.1:{port}"
     try:
-        with KvStoreClient(target, timeout_s=60) as client:
+        with KvStoreClient(target, auth_token=TOKEN, timeout_s=60) as client:
             client.wait_ready(30)
             start = time.perf_counter()
             for key, blob in zip(keys, blobs, strict=True):

@@ -22,6 +22,7 @@ from .config import (
     SessionConfig,
     SpeculationConfig,
 )
+from .credentials import read_secret_file
 from .logging import configure_logging
 
 
@@ -119,7 +120,41 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="a kvstore fetch slower than this is a cache miss",
     )
+    k.add_argument(
+        "--kvstore-auth-token-file",
+        default=None,
+        metavar="PATH",
+        help="the data-plane bearer token (env GENAI_KVSTORE_AUTH_TOKEN); required with "
+        "--kvstore unless --kvstore-insecure",
+    )
+    k.add_argument(
+        "--kvstore-insecure",
+        action="store_true",
+        help="send no data-plane token (for a genai-kvstore started with --insecure)",
+    )
+    k.add_argument("--kvstore-tls-ca", default=None, metavar="PEM", help="kvstore over TLS")
+    k.add_argument("--kvstore-tls-cert", default=None, metavar="PEM", help="client certificate")
+    k.add_argument("--kvstore-tls-key", default=None, metavar="PEM")
     return p
+
+
+def kvstore_config(args: argparse.Namespace) -> KvStoreConfig | None:
+    if not args.kvstore:
+        return None
+    token = None
+    if args.kvstore_auth_token_file:
+        token = read_secret_file(args.kvstore_auth_token_file, "--kvstore-auth-token-file")
+    elif not args.kvstore_insecure:
+        token = os.environ.get("GENAI_KVSTORE_AUTH_TOKEN") or None
+    return KvStoreConfig(
+        args.kvstore,
+        timeout_s=args.kvstore_timeout,
+        auth_token=token,
+        insecure=args.kvstore_insecure,
+        tls_ca_file=args.kvstore_tls_ca,
+        tls_cert_file=args.kvstore_tls_cert,
+        tls_key_file=args.kvstore_tls_key,
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -152,15 +187,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             num_tokens=args.speculate, max_batch=args.speculate_max_batch
         ),
         max_context_length=args.max_context_length,
-        kvstore=(
-            KvStoreConfig(
-                args.kvstore,
-                timeout_s=args.kvstore_timeout,
-                auth_token=os.environ.get("GENAI_KVSTORE_AUTH_TOKEN") or None,
-            )
-            if args.kvstore
-            else None
-        ),
+        kvstore=kvstore_config(args),
     )
     tokens: list[tuple[str, str]] = []
     if os.environ.get("GENAI_AUTH_TOKEN"):
@@ -196,6 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         log.error("bad_configuration", error=str(exc))
         return 2
+    if config.engine.kvstore is not None and config.engine.kvstore.insecure:
+        log.warning("kvstore_insecure", target=config.engine.kvstore.target, auth=False)
     from .server.app import serve
 
     try:

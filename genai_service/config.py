@@ -144,12 +144,30 @@ class KvStoreConfig:
 
     target: str  # HOST:PORT of genai-kvstore
     timeout_s: float = 2.0  # a lookup+fetch slower than this is a miss
+    # Bearer token sent on every kvstore RPC; None only with insecure=True
+    # (genai-server --kvstore-insecure), for a kvstore started --insecure.
     auth_token: str | None = None
+    insecure: bool = False
     record_wait_s: float = 1.0  # longest a turn's final answer waits for its session record
+    tls_ca_file: str | None = None  # PEM; dial the kvstore over TLS, trusting this CA
+    tls_cert_file: str | None = None  # PEM client certificate, for a kvstore requiring mTLS
+    tls_key_file: str | None = None
 
     def __post_init__(self) -> None:
         if ":" not in self.target:
             raise ValueError(f"kvstore target must be HOST:PORT, got {self.target!r}")
+        if not self.auth_token and not self.insecure:
+            raise ValueError(
+                f"kvstore {self.target} needs a data-plane token: set auth_token "
+                "(genai-server --kvstore-auth-token-file or $GENAI_KVSTORE_AUTH_TOKEN), or "
+                "insecure (--kvstore-insecure) for a kvstore that requires none"
+            )
+        if self.auth_token and self.insecure:
+            raise ValueError("kvstore auth_token and insecure exclude each other; set one")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("kvstore tls_cert_file and tls_key_file go together")
+        if self.tls_cert_file and not self.tls_ca_file:
+            raise ValueError("kvstore tls_cert_file (mTLS) needs tls_ca_file")
         _positive("kvstore timeout_s", self.timeout_s)
         if self.record_wait_s < 0:
             raise ValueError(f"record_wait_s must be >= 0, got {self.record_wait_s}")

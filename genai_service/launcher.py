@@ -1,25 +1,35 @@
 """``genai-stack``: the pod on one machine (what ``make serve`` runs).
 
 Starts ``genai-kvstore`` and ``genai-server`` (connected to it) as child
-processes, waits until the server reports SERVING, streams one sample chat
-answer through the public client, then keeps serving until Ctrl-C/SIGTERM and
-stops both children gracefully.
+processes, both given one data-plane token through the environment (not argv,
+which ``ps`` shows): ``$GENAI_KVSTORE_AUTH_TOKEN`` when set, else a fresh
+random one, so nothing without it can read or write the pair's KV. It waits
+until the server reports SERVING, streams one sample chat answer through the
+public client, then keeps serving until Ctrl-C/SIGTERM and stops both
+children gracefully.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 SAMPLE_PROMPT = "Name three primary colors."
+KVSTORE_TOKEN_ENV = "GENAI_KVSTORE_AUTH_TOKEN"  # read by both children
+
+
+def data_plane_token(environ: Mapping[str, str]) -> str:
+    """The kvstore token both children get: the caller's, else a new random one."""
+    return environ.get(KVSTORE_TOKEN_ENV) or secrets.token_urlsafe(32)
 
 
 def wait_serving(target: str, timeout_s: float, procs: Sequence[subprocess.Popen[bytes]]) -> None:
@@ -101,8 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--kvstore", f"{args.host}:{args.kvstore_port}",
         *server_args,
     ]  # fmt: skip
-    procs = [subprocess.Popen(kv_cmd)]
-    procs.append(subprocess.Popen(server_cmd))
+    env = {**os.environ, KVSTORE_TOKEN_ENV: data_plane_token(os.environ)}
+    procs = [subprocess.Popen(kv_cmd, env=env)]
+    procs.append(subprocess.Popen(server_cmd, env=env))
     target = f"{args.host}:{args.port}"
     stop_requested = False
 

@@ -1,4 +1,4 @@
-"""``genai-kvstore``: the data-plane KV blob store (DESIGN.md §1, §4).
+"""``genai-kvstore``: the data-plane KV blob store (docs/design.md, Processes).
 
 The only place that reads the kvstore's flags and environment.
 """
@@ -11,10 +11,11 @@ import os
 import re
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import structlog
 
+from genai_service.credentials import read_secret_file
 from genai_service.logging import configure_logging
 from kvstore.server import KvStoreConfig, serve
 
@@ -43,10 +44,15 @@ def parse_bytes(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    defaults = KvStoreConfig()
+    defaults = KvStoreConfig(insecure=True)  # for the other fields' defaults only
     parser = argparse.ArgumentParser(
         prog="genai-kvstore",
-        description="KV-cache blob store (kvstore.v1.KvStore): memory tier + optional disk tier.",
+        description=(
+            "KV-cache blob store (kvstore.v1.KvStore): memory tier + optional disk tier. "
+            "Every KvStore RPC requires 'authorization: Bearer <token>' (health and "
+            "reflection stay open): give the token with --auth-token-file, "
+            f"${AUTH_TOKEN_ENV} or --auth-token, or start with --insecure."
+        ),
     )
     parser.add_argument(
         "--host", default=defaults.host, help="address to bind (default %(default)s)"
@@ -75,10 +81,30 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.max_blob_bytes,
         help="largest blob a Put may store (default %(default)s)",
     )
-    parser.add_argument(
+    auth = parser.add_argument_group("security")
+    token = auth.add_mutually_exclusive_group()
+    token.add_argument(
+        "--auth-token-file",
+        default=None,
+        metavar="PATH",
+        help="file holding the bearer token KvStore RPCs require (surrounding whitespace stripped)",
+    )
+    token.add_argument(
         "--auth-token",
         default=None,
-        help=f"bearer token required on KvStore RPCs (default: ${AUTH_TOKEN_ENV}, else none)",
+        help=f"the bearer token itself (visible to ps; prefer the file or ${AUTH_TOKEN_ENV}, "
+        "which applies when neither flag is given)",
+    )
+    token.add_argument(
+        "--insecure",
+        action="store_true",
+        help="require no token: any client that can connect may read and overwrite KV "
+        "(logs a warning)",
+    )
+    auth.add_argument("--tls-cert", default=None, metavar="PEM", help="serve TLS (with --tls-key)")
+    auth.add_argument("--tls-key", default=None, metavar="PEM")
+    auth.add_argument(
+        "--tls-client-ca", default=None, metavar="PEM", help="require client certificates (mTLS)"
     )
     parser.add_argument(
         "--grace-s",
@@ -93,21 +119,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> KvStoreConfig:
+    """The configuration ``args`` and ``environ`` describe; ValueError or OSError when invalid."""
+    if args.auth_token_file:
+        token: str | None = read_secret_file(args.auth_token_file, "--auth-token-file")
+    elif args.insecure:
+        token = None
+    else:
+        token = args.auth_token or environ.get(AUTH_TOKEN_ENV) or None
+    return KvStoreConfig(
+        host=args.host,
+        port=args.port,
+        memory_bytes=args.memory_bytes,
+        disk_dir=args.disk_dir,
+        disk_bytes=args.disk_bytes,
+        max_blob_bytes=args.max_blob_bytes,
+        auth_token=token,
+        insecure=args.insecure,
+        tls_cert_file=args.tls_cert,
+        tls_key_file=args.tls_key,
+        tls_client_ca_file=args.tls_client_ca,
+        grace_s=args.grace_s,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_format, args.log_level.upper())
     try:
-        config = KvStoreConfig(
-            host=args.host,
-            port=args.port,
-            memory_bytes=args.memory_bytes,
-            disk_dir=args.disk_dir,
-            disk_bytes=args.disk_bytes,
-            max_blob_bytes=args.max_blob_bytes,
-            auth_token=args.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None,
-            grace_s=args.grace_s,
-        )
-    except ValueError as exc:
+        config = config_from_args(args, os.environ)
+    except (ValueError, OSError) as exc:
         structlog.get_logger("kvstore").error("invalid configuration", error=str(exc))
         return 2
 

@@ -1,7 +1,8 @@
 """The kvstore.v1.KvStore gRPC server: a thin servicer over ``BlobStore``.
 
 Health (``grpc.health.v1``, for "" and "kvstore.v1.KvStore") and server
-reflection share the port. An optional bearer token guards the KvStore RPCs.
+reflection share the port and stay open; the KvStore RPCs require a bearer
+token unless the server was started insecure (docs/design.md, Processes).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from genai_service._proto.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from genai_service.credentials import server_credentials
 from genai_service.errors import DataLoss, GenAIError, InvalidArgument, NotFound
 from kvstore.disk_tier import DiskTier
 from kvstore.memory_tier import MemoryTier, StoredBlob
@@ -50,7 +52,13 @@ class KvStoreConfig:
     disk_dir: str | None = None  # disk tier directory; None: memory only
     disk_bytes: int = 10 << 30  # disk tier bound, sum of blob sizes
     max_blob_bytes: int = 256 << 20  # largest Put accepted (it is buffered in memory)
-    auth_token: str | None = None  # when set, KvStore RPCs need "authorization: Bearer <token>"
+    # KvStore RPCs need "authorization: Bearer <auth_token>"; leaving it unset
+    # takes insecure=True, an explicit choice to serve anyone who can connect.
+    auth_token: str | None = None
+    insecure: bool = False
+    tls_cert_file: str | None = None  # PEM; with tls_key_file, serve TLS
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None  # PEM; require client certificates (mTLS)
     grace_s: float = 5.0  # how long stop() lets in-flight RPCs finish
 
     def __post_init__(self) -> None:
@@ -63,6 +71,18 @@ class KvStoreConfig:
             raise ValueError(f"max_blob_bytes must be > 0, got {self.max_blob_bytes}")
         if self.auth_token is not None and not self.auth_token:
             raise ValueError("auth_token must not be empty when set")
+        if self.auth_token is None and not self.insecure:
+            raise ValueError(
+                "the data plane needs a bearer token: set auth_token (genai-kvstore "
+                "--auth-token, --auth-token-file or $GENAI_KVSTORE_AUTH_TOKEN), or set "
+                "insecure (--insecure) to accept clients without one"
+            )
+        if self.auth_token is not None and self.insecure:
+            raise ValueError("auth_token and insecure exclude each other; set one")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError("tls_client_ca_file (mTLS) needs tls_cert_file and tls_key_file")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
 
@@ -353,9 +373,22 @@ async def start_server(config: KvStoreConfig) -> RunningServer:
         if ":" in config.host and not config.host.startswith("[")
         else (config.host)
     )
-    port = server.add_insecure_port(f"{host}:{config.port}")
+    address = f"{host}:{config.port}"
+    if config.tls_cert_file and config.tls_key_file:
+        credentials = server_credentials(
+            config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file
+        )
+        port = server.add_secure_port(address, credentials)
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"could not bind {host}:{config.port}")
+    if config.insecure:
+        log.warning(
+            "kvstore is insecure: KvStore RPCs need no token, so any client that can "
+            "connect may read and overwrite KV chunks and session records",
+            port=port,
+        )
     await server.start()
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -367,6 +400,8 @@ async def start_server(config: KvStoreConfig) -> RunningServer:
         disk_dir=config.disk_dir,
         disk_bytes=config.disk_bytes if disk else 0,
         auth=bool(config.auth_token),
+        tls=bool(config.tls_cert_file),
+        mtls=bool(config.tls_client_ca_file),
     )
     return RunningServer(server, health_servicer, store, port, config.grace_s)
 

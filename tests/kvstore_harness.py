@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -10,14 +11,29 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from genai_service.config import KvStoreConfig
+from kvstore.__main__ import AUTH_TOKEN_ENV
 from tests.server_harness import free_port
+
+DATA_PLANE_TOKEN = "test-data-plane-token"  # what the harness's kvstores require
 
 
 class KvStoreProcess:
-    def __init__(self, *args: str, port: int | None = None) -> None:
+    """``genai-kvstore`` requiring ``token`` (passed in its environment, as
+    genai-stack does); with ``token=None`` the ``args`` must say how it runs
+    (``--insecure``, ``--auth-token-file``)."""
+
+    def __init__(
+        self, *args: str, port: int | None = None, token: str | None = DATA_PLANE_TOKEN
+    ) -> None:
         self.port = port or free_port()
         self.args = args
+        self.token = token
         self.proc: subprocess.Popen[bytes] | None = None
+
+    def config(self, **settings: object) -> KvStoreConfig:
+        """The server-side ``KvStoreConfig`` that reaches this kvstore with its token."""
+        return KvStoreConfig(self.target, auth_token=self.token, **settings)  # type: ignore[arg-type]
 
     @property
     def target(self) -> str:
@@ -25,10 +41,14 @@ class KvStoreProcess:
 
     def start(self, log: Path | None = None) -> KvStoreProcess:
         out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
+        env = {k: v for k, v in os.environ.items() if k != AUTH_TOKEN_ENV}
+        if self.token is not None:
+            env[AUTH_TOKEN_ENV] = self.token
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvstore", "--port", str(self.port), *self.args],
             stdout=out,
             stderr=subprocess.STDOUT,
+            env=env,
         )
         deadline = time.monotonic() + 30
         with grpc.insecure_channel(self.target) as channel:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import os
 import re
 import socket
 import subprocess
@@ -430,6 +431,10 @@ def test_server_args_parse_and_make_a_valid_config(
     assert config.auth_tokens == (("control-token", "default"),)
     assert config.engine.kvstore is not None
     assert config.engine.kvstore.auth_token == "data-token"
+    assert not args.kvstore_insecure
+    monkeypatch.delenv("GENAI_KVSTORE_AUTH_TOKEN")
+    with pytest.raises(ValueError, match="--kvstore-insecure"):
+        config_from_args(args)
 
 
 @pytest.mark.parametrize("name", RENDERINGS)
@@ -603,7 +608,7 @@ def test_hpa_and_pdb_target_the_deployment(name: str) -> None:
 
 
 def _check_kvstore_tokens(kv_container: Obj, server_container: Obj) -> None:
-    from kvstore.__main__ import AUTH_TOKEN_ENV
+    from kvstore.__main__ import AUTH_TOKEN_ENV, config_from_args
 
     kv_env = env_of(kv_container)[AUTH_TOKEN_ENV]["valueFrom"]["secretKeyRef"]
     server_env = env_of(server_container)["GENAI_KVSTORE_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
@@ -611,6 +616,14 @@ def _check_kvstore_tokens(kv_container: Obj, server_container: Obj) -> None:
     assert (kv_env["name"], kv_env["key"]) == (server_env["name"], server_env["key"])
     auth_env = env_of(server_container)["GENAI_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
     assert auth_env["name"] == kv_env["name"] and auth_env["key"] != kv_env["key"]
+    # The data plane is closed: a pod without the Secret's key does not start,
+    # rather than starting without a token.
+    assert not kv_env.get("optional") and not server_env.get("optional")
+    args = kvstore_args(kv_container)
+    assert not args.insecure and not args.auth_token and not args.auth_token_file
+    assert config_from_args(args, {AUTH_TOKEN_ENV: "data-token"}).auth_token == "data-token"
+    with pytest.raises(ValueError, match="--insecure"):
+        config_from_args(args, {})
 
 
 def _check_kvstore_memory(c: Obj, args: argparse.Namespace) -> None:
@@ -720,6 +733,7 @@ def test_sidecar_liveness_probe_command() -> None:
         [sys.executable, "-m", "kvstore", "--host=127.0.0.1", f"--port={port}"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env={**os.environ, "GENAI_KVSTORE_AUTH_TOKEN": "data-token"},  # as the Secret sets it
     )
     try:
         deadline = time.monotonic() + 20

@@ -26,6 +26,7 @@ from kvstore.server import KvStoreConfig, RunningServer, start_server
 from tests.server_harness import free_port
 
 WAIT_S = 10.0  # upper bound on any wait in these tests, never a speed assertion
+TOKEN = "test-data-plane-token"  # the data-plane token of KvStoreThread
 NAMESPACE = make_namespace("test-model", "float32", "L2.H2.D4.hnd", 4)
 
 
@@ -59,7 +60,7 @@ class KvStoreThread:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        config = KvStoreConfig(host="127.0.0.1", port=0, grace_s=0.0)
+        config = KvStoreConfig(host="127.0.0.1", port=0, grace_s=0.0, auth_token=TOKEN)
         self.server: RunningServer = asyncio.run_coroutine_threadsafe(
             start_server(config), self.loop
         ).result(WAIT_S)
@@ -148,7 +149,7 @@ def connect() -> Iterator[ConnectorFactory]:
     made: list[GrpcKvChunkStore] = []
 
     def _connect(target: str, **kwargs: object) -> GrpcKvChunkStore:
-        settings: dict[str, object] = {"dtype": "float32", "timeout_s": 5.0}
+        settings: dict[str, object] = {"dtype": "float32", "timeout_s": 5.0, "auth_token": TOKEN}
         settings.update(kwargs)
         store = GrpcKvChunkStore(target, **settings)  # type: ignore[arg-type]
         made.append(store)
@@ -214,7 +215,9 @@ def test_corrupt_blob_in_the_store_stops_the_chain(
     chunks = [_chunk(i) for i in range(3)]
     corrupt = bytearray(pack_kv(chunks[1], "float32"))
     corrupt[40] ^= 0xFF  # a body byte: the payload's own trailer no longer matches
-    with KvStoreClient(kvstore.target) as raw:  # the store accepts it: it is opaque bytes
+    with KvStoreClient(
+        kvstore.target, auth_token=TOKEN
+    ) as raw:  # the store accepts it: it is opaque bytes
         raw.put(keys[0], pack_kv(chunks[0], "float32"))
         raw.put(keys[1], bytes(corrupt))
         raw.put(keys[2], pack_kv(chunks[2], "float32"))
@@ -230,7 +233,7 @@ def test_chunk_of_another_dtype_is_a_miss(
     kvstore: KvStoreThread, connect: ConnectorFactory
 ) -> None:
     keys = _keys(2)
-    with KvStoreClient(kvstore.target) as raw:
+    with KvStoreClient(kvstore.target, auth_token=TOKEN) as raw:
         raw.put(keys[0], pack_kv(_chunk(0), "float32"))
         raw.put(keys[1], pack_kv(_chunk(1, "float16"), "float16"))
     store = connect(kvstore.target)

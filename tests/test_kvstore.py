@@ -29,6 +29,8 @@ from kvstore.protocol import CHANNEL_OPTIONS, MAX_FRAME_BYTES
 from kvstore.server import KvStoreConfig, RunningServer, start_server
 
 MiB = 1 << 20
+TOKEN = "test-data-plane-token"  # what the servers of ``start`` require by default
+AUTH = (("authorization", f"Bearer {TOKEN}"),)  # metadata of raw stub calls
 StartServer = Callable[..., Awaitable[RunningServer]]
 
 
@@ -46,7 +48,12 @@ async def start() -> AsyncIterator[StartServer]:
     servers: list[RunningServer] = []
 
     async def _start(**overrides: object) -> RunningServer:
-        settings: dict[str, object] = {"host": "127.0.0.1", "port": 0, "grace_s": 0.0}
+        settings: dict[str, object] = {
+            "host": "127.0.0.1",
+            "port": 0,
+            "grace_s": 0.0,
+            "auth_token": TOKEN,
+        }
         settings.update(overrides)
         server = await start_server(KvStoreConfig(**settings))  # type: ignore[arg-type]
         servers.append(server)
@@ -58,7 +65,8 @@ async def start() -> AsyncIterator[StartServer]:
 
 
 def _client(server: RunningServer, **kwargs: object) -> AsyncKvStoreClient:
-    return AsyncKvStoreClient(f"127.0.0.1:{server.port}", **kwargs)  # type: ignore[arg-type]
+    settings: dict[str, object] = {"auth_token": TOKEN, **kwargs}
+    return AsyncKvStoreClient(f"127.0.0.1:{server.port}", **settings)  # type: ignore[arg-type]
 
 
 def _channel(server: RunningServer) -> grpc.aio.Channel:
@@ -69,7 +77,9 @@ async def _put_raw(
     server: RunningServer, frames: list[kvstore_pb2.PutRequest]
 ) -> kvstore_pb2.PutResponse:
     async with _channel(server) as channel:
-        return await kvstore_pb2_grpc.KvStoreStub(channel).Put(iter(frames), timeout=10)
+        return await kvstore_pb2_grpc.KvStoreStub(channel).Put(
+            iter(frames), timeout=10, metadata=AUTH
+        )
 
 
 def _frames(key: bytes, blob: bytes, digest: bytes | None = None) -> list[kvstore_pb2.PutRequest]:
@@ -161,7 +171,10 @@ async def test_get_frames_are_at_most_one_mib(start: StartServer) -> None:
     async with _channel(server) as channel:
         stub = kvstore_pb2_grpc.KvStoreStub(channel)
         for key, size in sizes.items():
-            frames = [f async for f in stub.Get(kvstore_pb2.GetRequest(key=key), timeout=10)]
+            frames = [
+                f
+                async for f in stub.Get(kvstore_pb2.GetRequest(key=key), timeout=10, metadata=AUTH)
+            ]
             assert frames[0].WhichOneof("frame") == "header"
             assert frames[0].header.total_size_bytes == size
             assert frames[0].header.checksum == checksum(_blob(size))
@@ -220,9 +233,9 @@ async def test_invalid_frames_and_keys(start: StartServer) -> None:
     async with _channel(server) as channel:
         stub = kvstore_pb2_grpc.KvStoreStub(channel)
         for call in (
-            stub.Lookup(kvstore_pb2.LookupRequest(keys=[_key(1), b"k" * 257])),
-            stub.Delete(kvstore_pb2.DeleteRequest(key=b"")),
-            stub.Get(kvstore_pb2.GetRequest(key=b"k" * 300)).read(),
+            stub.Lookup(kvstore_pb2.LookupRequest(keys=[_key(1), b"k" * 257]), metadata=AUTH),
+            stub.Delete(kvstore_pb2.DeleteRequest(key=b""), metadata=AUTH),
+            stub.Get(kvstore_pb2.GetRequest(key=b"k" * 300), metadata=AUTH).read(),
         ):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await call
@@ -357,7 +370,7 @@ async def test_sync_client(start: StartServer) -> None:
     server = await start()
 
     def work() -> None:
-        with KvStoreClient(f"127.0.0.1:{server.port}", timeout_s=10.0) as client:
+        with KvStoreClient(f"127.0.0.1:{server.port}", auth_token=TOKEN, timeout_s=10) as client:
             client.wait_ready()
             blob = _blob(2 * MiB + 1)
             assert not client.put(_key(1), blob).already_present

@@ -13,7 +13,7 @@ from genai_service.config import CacheConfig, EngineConfig, KvStoreConfig, Runne
 from genai_service.engine.engine import LLMEngine
 from genai_service.engine.kv_connector_memory import MemoryKvChunkStore
 from genai_service.engine.request import GenerationRequest, StoppingCriteria
-from tests.kvstore_harness import KvStoreProcess
+from tests.kvstore_harness import DATA_PLANE_TOKEN, KvStoreProcess
 from tests.server_harness import free_port
 from tests.tiny_model import encode_words, reference_greedy
 
@@ -36,7 +36,13 @@ def make_engine(model_dir: Path, target: str | None, runner: str = "auto", **kw)
             model_dir=str(model_dir),
             runner=RunnerConfig(runner=runner),
             cache=CacheConfig(chunk_size=4),
-            kvstore=KvStoreConfig(target, timeout_s=kw.pop("timeout_s", 2.0)) if target else None,
+            kvstore=(
+                KvStoreConfig(
+                    target, timeout_s=kw.pop("timeout_s", 2.0), auth_token=DATA_PLANE_TOKEN
+                )
+                if target
+                else None
+            ),
         ),
         **kw,
     )
@@ -113,7 +119,7 @@ def test_evicted_session_is_restored_from_its_record(
             model_dir=str(tiny_model_dir),
             cache=CacheConfig(chunk_size=4),
             sessions=dataclasses.replace(EngineConfig("x").sessions, max_sessions=1),
-            kvstore=KvStoreConfig(kvstore.target),
+            kvstore=kvstore.config(),
         )
     )
     first = eng.create_session().session_id
@@ -194,7 +200,7 @@ def test_session_migrates_between_server_processes(
             engine=EngineConfig(
                 model_dir=str(long_context_model_dir),
                 cache=CacheConfig(chunk_size=4),
-                kvstore=KvStoreConfig(kvstore.target),
+                kvstore=kvstore.config(),
             ),
             port=free_port(),
         )

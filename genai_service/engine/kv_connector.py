@@ -32,6 +32,7 @@ import grpc
 import numpy as np
 import structlog
 
+from genai_service.credentials import channel_credentials
 from kvstore.blob import BlobError, ChecksumError, KvHeader, pack_kv, unpack_kv
 from kvstore.client import AsyncKvStoreClient
 
@@ -242,7 +243,9 @@ class GrpcKvChunkStore(_CountingStore):
     ``target`` is "host:port"; ``dtype`` the engine's KV dtype (payloads are
     packed in it and others are refused); ``timeout_s`` bounds each prefetch
     as a whole, each push and each record write; ``auth_token`` is the data
-    plane's bearer token; ``max_pending_pushes`` bounds queued plus in-flight
+    plane's bearer token; ``tls_ca_file`` (PEM) dials the kvstore over TLS
+    trusting that CA, with ``tls_cert_file``/``tls_key_file`` as the client
+    certificate for mTLS; ``max_pending_pushes`` bounds queued plus in-flight
     pushes (and, separately, keys with pending record writes); ``workers`` is
     how many pushes run at once and the size of the pack/verify thread pool;
     ``fetch_concurrency`` how many Gets one prefetch keeps in flight;
@@ -256,6 +259,9 @@ class GrpcKvChunkStore(_CountingStore):
         dtype: str,
         timeout_s: float = 2.0,
         auth_token: str | None = None,
+        tls_ca_file: str | None = None,
+        tls_cert_file: str | None = None,
+        tls_key_file: str | None = None,
         max_pending_pushes: int = 64,
         workers: int = 2,
         fetch_concurrency: int = 8,
@@ -271,6 +277,9 @@ class GrpcKvChunkStore(_CountingStore):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         self.target = target
+        credentials = (
+            channel_credentials(tls_ca_file, tls_cert_file, tls_key_file) if tls_ca_file else None
+        )
         self._max_pending = max_pending_pushes
         self._workers = workers
         self._fetch_concurrency = fetch_concurrency
@@ -292,10 +301,17 @@ class GrpcKvChunkStore(_CountingStore):
         self._tasks: set[asyncio.Task[Any]] = set()  # touched on the loop thread only
         self._thread = threading.Thread(target=self._run_loop, name="kv-connector", daemon=True)
         self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._open(auth_token), self._loop).result(
+        asyncio.run_coroutine_threadsafe(self._open(auth_token, credentials), self._loop).result(
             _CLOSE_TIMEOUT_S
         )
-        log.info("kv connector started", target=target, dtype=self.dtype, timeout_s=timeout_s)
+        log.info(
+            "kv connector started",
+            target=target,
+            dtype=self.dtype,
+            timeout_s=timeout_s,
+            auth=bool(auth_token),
+            tls=credentials is not None,
+        )
 
     # -- engine thread ----------------------------------------------------------
 
@@ -417,15 +433,18 @@ class GrpcKvChunkStore(_CountingStore):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _open(self, auth_token: str | None) -> None:
+    async def _open(
+        self, auth_token: str | None, credentials: grpc.ChannelCredentials | None
+    ) -> None:
         # KV payloads carry their own checksum (verified by unpack_kv): skip the
         # client's whole-blob check. Records have none, so their client verifies.
-        self._chunk_client = AsyncKvStoreClient(
-            self.target, auth_token=auth_token, timeout_s=self.timeout_s, verify=False
-        )
-        self._record_client = AsyncKvStoreClient(
-            self.target, auth_token=auth_token, timeout_s=self.timeout_s
-        )
+        settings: dict[str, Any] = {
+            "auth_token": auth_token,
+            "timeout_s": self.timeout_s,
+            "credentials": credentials,
+        }
+        self._chunk_client = AsyncKvStoreClient(self.target, verify=False, **settings)
+        self._record_client = AsyncKvStoreClient(self.target, **settings)
         self._push_queue: asyncio.Queue[tuple[bytes, KvLayers]] = asyncio.Queue()
         self._record_queue: asyncio.Queue[bytes] = asyncio.Queue()
         for _ in range(self._workers):

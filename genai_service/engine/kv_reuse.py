@@ -78,6 +78,9 @@ class KvReuse:
                 dtype=kv.dtype,
                 timeout_s=config.kvstore.timeout_s,
                 auth_token=config.kvstore.auth_token,
+                tls_ca_file=config.kvstore.tls_ca_file,
+                tls_cert_file=config.kvstore.tls_cert_file,
+                tls_key_file=config.kvstore.tls_key_file,
             )
         chunk_size = config.cache.chunk_size
         namespace = make_namespace(

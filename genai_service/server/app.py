@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from pathlib import Path
 
 import grpc
 import structlog
@@ -22,6 +21,7 @@ from .._proto.genai.v1 import (
     session_pb2_grpc,
 )
 from ..config import ServerConfig
+from ..credentials import server_credentials
 from ..engine.model_dir import load_model_spec
 from ..engine.tokenizer import Tokenizer
 from .engine_process import EngineProcess
@@ -81,13 +81,8 @@ class GenAIServer:
         )
         address = f"{config.host}:{config.port}"
         if config.tls_cert_file and config.tls_key_file:
-            client_ca = (
-                Path(config.tls_client_ca_file).read_bytes() if config.tls_client_ca_file else None
-            )
-            credentials = grpc.ssl_server_credentials(
-                [(Path(config.tls_key_file).read_bytes(), Path(config.tls_cert_file).read_bytes())],
-                root_certificates=client_ca,
-                require_client_auth=client_ca is not None,
+            credentials = server_credentials(
+                config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file
             )
             self.port = self.server.add_secure_port(address, credentials)
         else:

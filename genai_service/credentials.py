@@ -1,0 +1,49 @@
+"""Credentials read from files, for both planes (docs/design.md, Processes).
+
+TLS certificates and keys (PEM) for the servers and the data-plane client,
+and secrets kept one per file (a bearer token mounted from a Kubernetes
+Secret). Only start-up code calls these: a missing or unreadable file is an
+``OSError`` and an empty secret a ``ValueError``, both configuration errors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+
+
+def read_secret_file(path: str, what: str) -> str:
+    """The contents of ``path`` with surrounding whitespace stripped; ``what``
+    names the flag in the error when the file holds nothing else."""
+    secret = Path(path).read_text().strip()
+    if not secret:
+        raise ValueError(f"{what}: {path} is empty")
+    return secret
+
+
+def server_credentials(
+    cert_file: str, key_file: str, client_ca_file: str | None = None
+) -> grpc.ServerCredentials:
+    """TLS for a server; with ``client_ca_file``, clients must present a
+    certificate signed by it (mTLS)."""
+    client_ca = Path(client_ca_file).read_bytes() if client_ca_file else None
+    return grpc.ssl_server_credentials(
+        [(Path(key_file).read_bytes(), Path(cert_file).read_bytes())],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )
+
+
+def channel_credentials(
+    ca_file: str, cert_file: str | None = None, key_file: str | None = None
+) -> grpc.ChannelCredentials:
+    """TLS for a client that trusts ``ca_file``; ``cert_file``/``key_file``
+    (together) are its own certificate, for a server that requires mTLS."""
+    if (cert_file is None) != (key_file is None):
+        raise ValueError("a client certificate needs both cert_file and key_file")
+    return grpc.ssl_channel_credentials(
+        Path(ca_file).read_bytes(),
+        Path(key_file).read_bytes() if key_file else None,
+        Path(cert_file).read_bytes() if cert_file else None,
+    )
