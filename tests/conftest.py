@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -47,3 +48,67 @@ def default_model_dir() -> Path:
     from genai_service.convert.default_model import resolve_model
 
     return resolve_model("default", progress=False)
+
+
+def openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate (openssl CLI),
+    for TLS and mTLS on either plane: ca.pem, server.pem/.key, client.pem/.key."""
+    d = tmp_path_factory.mktemp("pki")
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=test-ca",
+        cwd=d,
+    )
+    for name, ext in (
+        ("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
+        ("client", "extendedKeyUsage=clientAuth"),
+    ):
+        openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN={name}",
+            cwd=d,
+        )
+        (d / f"{name}.ext").write_text(ext + "\n")
+        openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "1",
+            "-extfile",
+            f"{name}.ext",
+            cwd=d,
+        )
+    return d

@@ -21,14 +21,19 @@ DATA_PLANE_TOKEN = "test-data-plane-token"  # what the harness's kvstores requir
 class KvStoreProcess:
     """``genai-kvstore`` requiring ``token`` (passed in its environment, as
     genai-stack does); with ``token=None`` the ``args`` must say how it runs
-    (``--insecure``, ``--auth-token-file``)."""
+    (``--insecure``, ``--auth-token-file``). ``credentials``: for ``--tls-cert``."""
 
     def __init__(
-        self, *args: str, port: int | None = None, token: str | None = DATA_PLANE_TOKEN
+        self,
+        *args: str,
+        port: int | None = None,
+        token: str | None = DATA_PLANE_TOKEN,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self.port = port or free_port()
         self.args = args
         self.token = token
+        self.credentials = credentials  # how the health check dials a kvstore serving TLS
         self.proc: subprocess.Popen[bytes] | None = None
 
     def config(self, **settings: object) -> KvStoreConfig:
@@ -51,7 +56,12 @@ class KvStoreProcess:
             env=env,
         )
         deadline = time.monotonic() + 30
-        with grpc.insecure_channel(self.target) as channel:
+        channel = (
+            grpc.secure_channel(self.target, self.credentials)
+            if self.credentials
+            else grpc.insecure_channel(self.target)
+        )
+        with channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:

@@ -7,12 +7,15 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from genai_service.config import CacheConfig, EngineConfig, KvStoreConfig, RunnerConfig
+from genai_service.credentials import channel_credentials
 from genai_service.engine.engine import LLMEngine
 from genai_service.engine.kv_connector_memory import MemoryKvChunkStore
 from genai_service.engine.request import GenerationRequest, StoppingCriteria
+from kvstore.client import KvStoreClient
 from tests.kvstore_harness import DATA_PLANE_TOKEN, KvStoreProcess
 from tests.server_harness import free_port
 from tests.tiny_model import encode_words, reference_greedy
@@ -76,6 +79,43 @@ def test_kv_from_the_store_gives_the_cold_tokens(
     )  # every complete chunk but the last token's
     assert b.counters["kvstore_cached_tokens"] == rb.usage.cached_tokens
     b.close()
+
+
+def test_kv_round_trips_through_a_kvstore_on_mtls(tiny_model_dir: Path, pki: Path) -> None:
+    """The data plane on TLS with client certificates, as the control plane can be:
+    the engine's connector dials it with the CA and its certificate, and a second
+    engine reuses the first one's chunks."""
+    ca, cert, key = (str(pki / name) for name in ("ca.pem", "client.pem", "client.key"))
+    tls = ("--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"))
+    kv = KvStoreProcess(
+        "--log-format", "console", *tls, "--tls-client-ca", ca,
+        credentials=channel_credentials(ca, cert, key),
+    ).start()  # fmt: skip
+    config = kv.config(tls_ca_file=ca, tls_cert_file=cert, tls_key_file=key)
+    try:
+        cold = reference_greedy(tiny_model_dir, PROMPT, 6)
+        engines = [
+            LLMEngine(EngineConfig(str(tiny_model_dir), cache=CacheConfig(4), kvstore=config))
+            for _ in range(2)
+        ]
+        first = engines[0].generate(greedy("tls-a", PROMPT, 6))
+        assert engines[0].remote is not None and engines[0].remote.flush(10)
+        second = engines[1].generate(greedy("tls-b", PROMPT, 6))
+        assert list(first.token_ids) == list(second.token_ids) == cold
+        reused = (len(PROMPT) - 1) // 4 * 4  # every complete chunk but the last token's
+        assert (first.usage.cached_tokens, second.usage.cached_tokens) == (0, reused)
+        for engine in engines:
+            engine.close()
+        # Without a client certificate, or in plain text, nothing gets through.
+        for credentials in (channel_credentials(ca), None):
+            with (
+                KvStoreClient(kv.target, auth_token=kv.token, credentials=credentials) as client,
+                pytest.raises(grpc.RpcError) as err,
+            ):
+                client.stats(timeout_s=5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+    finally:
+        kv.stop()
 
 
 def test_session_migrates_between_engines(tiny_model_dir: Path, kvstore: KvStoreProcess) -> None:
@@ -184,7 +224,6 @@ def test_session_migrates_between_server_processes(
     long_context_model_dir: Path, kvstore: KvStoreProcess
 ) -> None:
     """Two genai-servers (each with its own engine process) sharing one kvstore."""
-    import grpc
 
     from genai_service._proto.genai.v1 import (
         generate_pb2,

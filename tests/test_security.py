@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,69 +20,6 @@ from genai_service.config import EngineConfig, ServerConfig
 from tests.server_harness import ServerThread, free_port
 
 pytestmark = pytest.mark.e2e
-
-
-def openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A CA, a server certificate for 127.0.0.1 and a client certificate."""
-    d = tmp_path_factory.mktemp("pki")
-    openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.pem",
-        "-days",
-        "1",
-        "-subj",
-        "/CN=test-ca",
-        cwd=d,
-    )
-    for name, ext in (
-        ("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
-        ("client", "extendedKeyUsage=clientAuth"),
-    ):
-        openssl(
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            f"{name}.key",
-            "-out",
-            f"{name}.csr",
-            "-subj",
-            f"/CN={name}",
-            cwd=d,
-        )
-        (d / f"{name}.ext").write_text(ext + "\n")
-        openssl(
-            "x509",
-            "-req",
-            "-in",
-            f"{name}.csr",
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            f"{name}.pem",
-            "-days",
-            "1",
-            "-extfile",
-            f"{name}.ext",
-            cwd=d,
-        )
-    return d
 
 
 @pytest.fixture(scope="module")
