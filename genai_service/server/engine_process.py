@@ -11,6 +11,10 @@ Messages frontend → engine:
 Messages engine → frontend:
     ("ready", EngineInfo) | ("outputs", [RequestOutput, ...]) | ("rejected", request_id, error)
     | ("result", call_id, ok, value_or_error) | ("fatal", message)
+
+A call whose answer waits on the kvstore (a session restored from its record)
+returns a ``PendingCall``; its "result" goes out from a later step, and the
+loop keeps stepping meanwhile.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import structlog
 
 from ..config import EngineConfig
 from ..engine.request import GenerationRequest, RequestOutput, merge_outputs
+from ..engine.restores import PendingCall
 from ..errors import GenAIError, Internal, InvalidArgument, Unavailable
 
 if TYPE_CHECKING:
@@ -160,7 +165,15 @@ def _serve(
             elif kind == "call":
                 _, call_id, method, args = msg
                 try:
-                    outbox.send(("result", call_id, True, methods[method](*args)))
+                    result = methods[method](*args)
+                    if isinstance(result, PendingCall):
+                        result.add_done_callback(
+                            lambda ok, value, call_id=call_id: outbox.send(
+                                ("result", call_id, ok, value)
+                            )
+                        )
+                    else:
+                        outbox.send(("result", call_id, True, result))
                 except GenAIError as exc:
                     outbox.send(("result", call_id, False, exc))
                 except Exception as exc:
