@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import multiprocessing as mp
 import os
@@ -132,6 +133,10 @@ def _engine_main(config: EngineConfig, conn: Connection, log_format: str) -> Non
         outbox.close()
 
 
+def _answer(outbox: _Outbox, call_id: int, ok: bool, value: Any) -> None:
+    outbox.send(("result", call_id, ok, value))
+
+
 def _serve(
     engine: LLMEngine,
     conn: Connection,
@@ -166,14 +171,10 @@ def _serve(
                 _, call_id, method, args = msg
                 try:
                     result = methods[method](*args)
-                    if isinstance(result, PendingCall):
-                        result.add_done_callback(
-                            lambda ok, value, call_id=call_id: outbox.send(
-                                ("result", call_id, ok, value)
-                            )
-                        )
+                    if isinstance(result, PendingCall):  # answered from a later step
+                        result.add_done_callback(functools.partial(_answer, outbox, call_id))
                     else:
-                        outbox.send(("result", call_id, True, result))
+                        _answer(outbox, call_id, True, result)
                 except GenAIError as exc:
                     outbox.send(("result", call_id, False, exc))
                 except Exception as exc:
