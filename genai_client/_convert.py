@@ -385,8 +385,10 @@ def close_session_request(session_id: str) -> session_pb2.CloseSessionRequest:
     return session_pb2.CloseSessionRequest(session_id=session_id)
 
 
-def list_sessions_request() -> session_pb2.ListSessionsRequest:
-    return session_pb2.ListSessionsRequest()
+def list_sessions_request(
+    page_token: str = "", page_size: int = 0
+) -> session_pb2.ListSessionsRequest:
+    return session_pb2.ListSessionsRequest(page_token=page_token, page_size=page_size)
 
 
 def session_from_proto(session: session_pb2.Session) -> SessionInfo:

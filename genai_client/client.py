@@ -448,11 +448,21 @@ class Client(_ClientBase):
         request = _convert.close_session_request(session_id)
         self._unary(self._sessions.CloseSession, request, timeout)
 
-    def list_sessions(self, *, timeout: float | None = None) -> list[SessionInfo]:
-        """The caller's open sessions, oldest first."""
-        request = _convert.list_sessions_request()
-        response = self._unary(self._sessions.ListSessions, request, timeout)
-        return [_convert.session_from_proto(s) for s in response.sessions]
+    def list_sessions(
+        self, *, page_size: int = 0, timeout: float | None = None
+    ) -> list[SessionInfo]:
+        """The caller's open sessions, oldest first: every page, fetched
+        ``page_size`` at a time (0: the server's default); ``timeout`` bounds
+        each page's call."""
+        sessions: list[SessionInfo] = []
+        token = ""
+        while True:
+            request = _convert.list_sessions_request(token, page_size)
+            response = self._unary(self._sessions.ListSessions, request, timeout)
+            sessions += [_convert.session_from_proto(s) for s in response.sessions]
+            token = response.next_page_token
+            if not token:
+                return sessions
 
     # --- model -----------------------------------------------------------
 

@@ -78,6 +78,34 @@ def build_parser() -> argparse.ArgumentParser:
         default=1024**3,
         help="host memory for parked sessions' KV (LRU beyond it is recomputed)",
     )
+    g.add_argument(
+        "--session-metadata-entries",
+        type=int,
+        default=64,
+        metavar="N",
+        help="most metadata entries a CreateSession may carry",
+    )
+    g.add_argument(
+        "--session-metadata-key-bytes",
+        type=int,
+        default=256,
+        metavar="N",
+        help="largest session metadata key (UTF-8 bytes)",
+    )
+    g.add_argument(
+        "--session-metadata-value-bytes",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="largest session metadata value (UTF-8 bytes)",
+    )
+    g.add_argument(
+        "--session-metadata-bytes",
+        type=int,
+        default=16 * 1024,
+        metavar="N",
+        help="largest session metadata in all, keys and values (UTF-8 bytes)",
+    )
     g.add_argument("--default-max-new-tokens", type=int, default=256)
     g.add_argument("--max-new-tokens-limit", type=int, default=4096)
     g.add_argument(
@@ -178,6 +206,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             max_sessions=args.max_sessions,
             idle_ttl_s=args.session_ttl,
             max_parked_kv_bytes=args.session_kv_bytes,
+            max_metadata_entries=args.session_metadata_entries,
+            max_metadata_key_bytes=args.session_metadata_key_bytes,
+            max_metadata_value_bytes=args.session_metadata_value_bytes,
+            max_metadata_bytes=args.session_metadata_bytes,
         ),
         limits=LimitsConfig(
             default_max_new_tokens=args.default_max_new_tokens,

@@ -91,6 +91,12 @@ class CacheConfig:
             raise ValueError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
 
 
+# A ListSessions page holds at most this many bytes of sessions (and at least
+# one session), so every response stays well under a client's default 4 MiB
+# receive limit whatever the metadata limits below are set to.
+SESSION_LIST_PAGE_BYTES = 1024 * 1024
+
+
 @dataclass(frozen=True)
 class SessionConfig:
     max_sessions: int = 64
@@ -99,12 +105,35 @@ class SessionConfig:
     # recently used parked KV is dropped (that session's next turn recomputes
     # its history, or fetches it from the kvstore).
     max_parked_kv_bytes: int = 1024**3
+    # CreateSession metadata limits (docs/design.md "Sessions"). Metadata are
+    # labels (a user id, a conversation id), not documents: a few dozen short
+    # entries. Every session's metadata is held in the engine, written into
+    # its kvstore record on every turn and returned by GetSession and
+    # ListSessions, so the total is what bounds memory per session and the
+    # size of a record and of a listing page.
+    max_metadata_entries: int = 64
+    max_metadata_key_bytes: int = 256  # UTF-8 bytes of one key
+    max_metadata_value_bytes: int = 4096  # UTF-8 bytes of one value
+    max_metadata_bytes: int = 16 * 1024  # all keys and values together
 
     def __post_init__(self) -> None:
         _positive("max_sessions", self.max_sessions)
         _positive("idle_ttl_s", self.idle_ttl_s)
         if self.max_parked_kv_bytes < 0:
             raise ValueError(f"max_parked_kv_bytes must be >= 0, got {self.max_parked_kv_bytes}")
+        for name in (
+            "max_metadata_entries",
+            "max_metadata_key_bytes",
+            "max_metadata_value_bytes",
+            "max_metadata_bytes",
+        ):
+            _positive(name, getattr(self, name))
+        # Half a page: a session with the most metadata still fits a listing page.
+        if self.max_metadata_bytes > SESSION_LIST_PAGE_BYTES // 2:
+            raise ValueError(
+                f"max_metadata_bytes must be <= {SESSION_LIST_PAGE_BYTES // 2}, "
+                f"got {self.max_metadata_bytes}"
+            )
 
 
 @dataclass(frozen=True)
@@ -203,7 +232,11 @@ class ServerConfig:
     port: int = 50051
     grace_period_s: float = 30.0  # in-flight streams may finish this long after SIGTERM
     log_format: str = "console"  # "console" | "json"
-    max_message_bytes: int = 16 * 1024 * 1024  # gRPC receive/send limit per message
+    # gRPC receive/send limit per message. Requests up to it reach the frontend,
+    # which checks every field's own limit (max_input_chars, session metadata)
+    # before anything goes to the engine; responses are far smaller (a
+    # ListSessions page is bounded by SESSION_LIST_PAGE_BYTES).
+    max_message_bytes: int = 16 * 1024 * 1024
     max_input_chars: int = 1_000_000  # text / messages size limit before tokenizing
     engine_start_timeout_s: float = 900.0  # covers first-run conversion of the default model
     metrics_port: int | None = None  # Prometheus /metrics on this port (0: any free); None: off

@@ -146,7 +146,7 @@ def test_session_migrates_between_engines(tiny_model_dir: Path, kvstore: KvStore
     from genai_service.errors import NotFound
 
     with pytest.raises(NotFound):
-        a.get_session(sid)
+        a.wait(a.get_session(sid))
     a.close()
     b.close()
 

@@ -16,6 +16,7 @@ from genai_client import (
     UnauthenticatedError,
     UnavailableError,
 )
+from genai_service._proto.genai.v1 import session_pb2
 from genai_service.config import EngineConfig, ServerConfig
 from tests.server_harness import ServerThread, free_port
 
@@ -84,6 +85,32 @@ def test_sessions_belong_to_their_principal(server: ServerThread, pki: Path) -> 
         with pytest.raises(NotFoundError):
             bob.get_session("f" * 32)
         alice.close_session(sid)
+
+
+def test_session_pages_list_only_the_callers_sessions(server: ServerThread, pki: Path) -> None:
+    with client(server, pki, "alice-token") as alice, client(server, pki, "bob-token") as bob:
+        mine = [alice.create_session(metadata={"n": str(i)}).session_id for i in range(3)]
+        theirs = [bob.create_session().session_id for _ in range(2)]
+        try:
+            # one session a page: the client follows next_page_token to the end
+            assert [s.session_id for s in alice.list_sessions(page_size=1)] == mine
+            assert [s.session_id for s in bob.list_sessions(page_size=1)] == theirs
+            # alice's token for the next page only moves bob's listing along:
+            # a page never holds another principal's session
+            first = alice._sessions.ListSessions(
+                session_pb2.ListSessionsRequest(page_size=1), metadata=alice._metadata
+            )
+            assert [s.session_id for s in first.sessions] == mine[:1] and first.next_page_token
+            page = bob._sessions.ListSessions(
+                session_pb2.ListSessionsRequest(page_token=first.next_page_token),
+                metadata=bob._metadata,
+            )
+            assert {s.session_id for s in page.sessions} <= set(theirs)
+        finally:
+            for sid in mine:
+                alice.close_session(sid)
+            for sid in theirs:
+                bob.close_session(sid)
 
 
 def test_mtls_requires_a_client_certificate(server: ServerThread, pki: Path) -> None:

@@ -4,7 +4,9 @@ Single-threaded and synchronous: the engine process (or a test) calls
 ``add_request``/``abort`` between ``step`` calls. A step is three calls:
 ``scheduler.schedule()``, ``runner.run(...)``, then ``_postprocess`` which
 samples, applies stop rules and emits one ``RequestOutput`` per request that
-moved.
+moved. Nothing here waits on the network: a call or a request that needs a
+session record from the kvstore waits as a ``PendingCall`` (``restores``)
+while the steps go on.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from __future__ import annotations
 import secrets
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 import numpy as np
 import structlog
@@ -36,16 +39,17 @@ from .request import (
     collect,
     merge_outputs,
 )
+from .restores import PendingCall, SessionRestores
 from .sampling_rows import plain_greedy, sampling_row, token_logprob
 from .scheduler import Scheduler
 from .sequence import SeqStatus, Sequence
 from .sessions import (
     Session,
     SessionInfo,
+    SessionPage,
     SessionTable,
-    is_session_id,
+    not_found,
     record_key,
-    session_from_record,
     session_record,
 )
 from .speculation import PromptLookup, follow_draft
@@ -58,6 +62,8 @@ log = structlog.get_logger(__name__)
 STORE_CHUNKS_PER_STEP = 2  # chunks of finished sequences copied out per busy step (_store_finished)
 DEFAULT_CONTEXT_LENGTH = 2048  # when neither the graph nor a config says
 DETOKENIZER_CONTEXT = 8  # prompt tokens given to the detokenizer as left context
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -111,9 +117,18 @@ class LLMEngine:
         self.sessions = SessionTable(
             config.sessions.max_sessions,
             config.sessions.idle_ttl_s,
-            restore=self._restore_session if self.remote is not None else None,
+            persistent=self.remote is not None,
+        )
+        self.restores = (
+            SessionRestores(
+                self.remote, self.sessions, self.vocab_size, self._kvstore_timeout_s, self.counters
+            )
+            if self.remote is not None
+            else None
         )
         self._requests: dict[str, Sequence] = {}
+        # Requests waiting outside the scheduler for their session's record.
+        self._parked: dict[str, tuple[GenerationRequest, PendingCall]] = {}
         self._pending: list[RequestOutput] = []
         # Final outputs of session turns waiting for their record to land in
         # the kvstore: (record key, give-up time, output).
@@ -150,14 +165,30 @@ class LLMEngine:
         )
 
     def add_request(self, request: GenerationRequest) -> None:
-        """Validate and queue a request; raises a ``GenAIError`` if it cannot run."""
-        if request.request_id in self._requests:
-            raise InvalidArgument(f"request_id: {request.request_id!r} is already in flight")
-        session = None
-        history: list[int] = []
-        if request.session_id is not None:
-            session = self._owned_session(request.session_id, request.principal)
-            history = session.history
+        """Validate and queue a request; raises a ``GenAIError`` if it cannot run.
+
+        A turn of a session that is not in memory waits outside the scheduler
+        for its record; if it then cannot run, its one output carries the error."""
+        rid = request.request_id
+        if rid in self._requests or rid in self._parked:
+            raise InvalidArgument(f"request_id: {rid!r} is already in flight")
+        if request.session_id is None:
+            self._queue(request, None)
+            return
+        queued = self._with_session(
+            request.session_id, request.principal, lambda s: self._queue(request, s)
+        )
+        if isinstance(queued, PendingCall):
+            self._parked[rid] = (request, queued)
+            queued.add_done_callback(lambda ok, error: self._unpark(rid, ok, error))
+
+    def _unpark(self, request_id: str, ok: bool, error: Any) -> None:
+        self._parked.pop(request_id, None)
+        if not ok:
+            self._pending.append(RequestOutput(request_id, finished=True, error=error))
+
+    def _queue(self, request: GenerationRequest, session: Session | None) -> None:
+        history = session.history if session is not None else []
         validate_request(
             request,
             vocab_size=self.vocab_size,
@@ -180,6 +211,21 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now; its final output (``CANCELLED``) comes from the next step."""
+        parked = self._parked.pop(request_id, None)
+        if parked is not None:
+            request, pending = parked
+            pending.cancel()
+            self._pending.append(
+                RequestOutput(
+                    request_id,
+                    finished=True,
+                    finish_reason=FinishReason.CANCELLED,
+                    usage=Usage(len(request.prompt_token_ids), 0, 0),
+                    session_id=request.session_id,
+                )
+            )
+            self.counters["requests_aborted"] += 1
+            return True
         seq = self._requests.get(request_id)
         if seq is None or seq.status in (SeqStatus.FINISHED, SeqStatus.COMMITTING):
             return False
@@ -188,7 +234,10 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self._pending or self._held or self._finished_kv) or self.scheduler.has_work()
+        return (
+            bool(self._pending or self._held or self._finished_kv or self.restores)
+            or self.scheduler.has_work()
+        )
 
     def close(self) -> None:
         """Share finished sequences' chunks, then release background resources
@@ -216,6 +265,8 @@ class LLMEngine:
         return self.config.kvstore.timeout_s if self.config.kvstore else 1.0
 
     def step(self) -> list[RequestOutput]:
+        if self.restores:
+            self.restores.poll()  # resumes calls and requests whose record arrived
         outputs, self._pending = self._pending, []
         outputs.extend(self._release_held())
         stored = self._store_finished()
@@ -273,6 +324,20 @@ class LLMEngine:
     def generate(self, request: GenerationRequest) -> GenerationResult:
         return self.run_to_completion([request])[request.request_id]
 
+    def wait(self, result: T | PendingCall) -> T:
+        """The answer of a session call, stepping until a pending one is resolved
+        (in-process callers: tests, tools; the engine process answers pending
+        calls from its loop instead)."""
+        if not isinstance(result, PendingCall):
+            return result
+        while not result.done:
+            self.step()
+            if self.last_step_idle:
+                time.sleep(0.001)  # waiting on the kvstore
+        if not result.ok:
+            raise result.value
+        return result.value  # type: ignore[no-any-return]
+
     # sessions
 
     def create_session(
@@ -285,36 +350,67 @@ class LLMEngine:
         self._save_session(session)
         return SessionTable.info(session)
 
-    def get_session(self, session_id: str, principal: str = "") -> SessionInfo:
-        return SessionTable.info(self._owned_session(session_id, principal))
+    # The calls below that take a session id answer a ``PendingCall`` when
+    # the session must first come from its kvstore record (``_with_session``).
 
-    def reset_session(self, session_id: str, principal: str = "") -> SessionInfo:
-        self._owned_session(session_id, principal)
-        session = self.sessions.reset(session_id)
-        self._save_session(session)
-        return SessionTable.info(session)
+    def get_session(self, session_id: str, principal: str = "") -> SessionInfo | PendingCall:
+        return self._with_session(session_id, principal, SessionTable.info)
 
-    def close_session(self, session_id: str, principal: str = "") -> SessionInfo:
-        session = self._owned_session(session_id, principal)
-        if session.running_request_id is not None:
-            self.abort(session.running_request_id)  # closing cancels a running turn
-        if self.remote is not None:
-            self.remote.delete_record(record_key(session_id))
-        return SessionTable.info(self.sessions.close(session_id))
+    def reset_session(self, session_id: str, principal: str = "") -> SessionInfo | PendingCall:
+        def reset(session: Session) -> SessionInfo:
+            session = self.sessions.reset(session.session_id)
+            self._save_session(session)
+            return SessionTable.info(session)
 
-    def list_sessions(self, principal: str = "") -> list[SessionInfo]:
-        """The sessions ``principal`` owns (all of them when auth is off)."""
-        return [
-            SessionTable.info(s)
-            for s in self.sessions.list()
-            if not principal or s.owner == principal
-        ]
+        return self._with_session(session_id, principal, reset)
 
-    def _owned_session(self, session_id: str, principal: str) -> Session:
-        session = self.sessions.get(session_id)
+    def close_session(self, session_id: str, principal: str = "") -> SessionInfo | PendingCall:
+        def close(session: Session) -> SessionInfo:
+            if session.running_request_id is not None:
+                self.abort(session.running_request_id)  # closing cancels a running turn
+            if self.remote is not None:
+                self.remote.delete_record(record_key(session_id))
+            return SessionTable.info(self.sessions.close(session_id))
+
+        return self._with_session(session_id, principal, close)
+
+    def list_sessions(
+        self, principal: str = "", page_size: int = 0, page_token: str = ""
+    ) -> SessionPage:
+        """One page of the sessions in memory that ``principal`` owns (all of
+        them when auth is off); see ``SessionTable.page``."""
+        sessions, token = self.sessions.page(principal or None, page_size, page_token)
+        return SessionPage([SessionTable.info(s) for s in sessions], token)
+
+    def _with_session(
+        self, session_id: str, principal: str, then: Callable[[Session], T]
+    ) -> T | PendingCall:
+        """``then(session)`` for the session ``principal`` may use, now if it is
+        in memory, else (with a kvstore) as a ``PendingCall`` resolved once its
+        record has arrived: the loop never waits for it."""
+        session = self.sessions.find(session_id)
+        if session is not None:
+            return then(self._owned(session, principal))
+        if self.restores is None or not self.restores.can_restore(session_id):
+            raise not_found(session_id)
+        pending = PendingCall()
+
+        def resume(error: GenAIError | None) -> None:
+            def run() -> T:
+                if error is not None:
+                    raise error
+                return then(self._owned(self.sessions.get(session_id), principal))
+
+            pending.resolve(run)
+
+        self.restores.wait_for(session_id, resume)
+        return pending
+
+    @staticmethod
+    def _owned(session: Session, principal: str) -> Session:
         if session.owner and session.owner != principal:
             raise PermissionDenied(
-                f"session_id: session {session_id!r} belongs to another principal"
+                f"session_id: session {session.session_id!r} belongs to another principal"
             )
         return session
 
@@ -589,19 +685,6 @@ class LLMEngine:
     def _save_session(self, session: Session) -> None:
         if self.remote is not None:
             self.remote.put_record(record_key(session.session_id), session_record(session))
-
-    def _restore_session(self, session_id: str) -> Session | None:
-        """A session not in memory (evicted, or created on another replica)."""
-        if self.remote is None or not is_session_id(session_id):
-            return None
-        data = self.remote.get_record(record_key(session_id), self._kvstore_timeout_s)
-        if data is None:
-            return None
-        session = session_from_record(session_id, data, self.vocab_size)
-        if session is None:
-            return None
-        self.counters["sessions_restored"] += 1
-        return session
 
     def _release_held(self) -> list[RequestOutput]:
         if not self._held:

@@ -77,7 +77,7 @@ def _key_label(key: bytes | None) -> str | None:
     return kind.decode("ascii", "replace") + ":<redacted>" if sep else key.hex()
 
 
-def _resolve(future: Future[list[KvLayers]], result: list[KvLayers]) -> None:
+def _resolve(future: Future[Any], result: Any) -> None:
     """Set ``future``'s result unless it is already done (e.g. cancelled by the engine)."""
     with contextlib.suppress(InvalidStateError):
         future.set_result(result)
@@ -88,8 +88,9 @@ class KvChunkStore(ABC):
 
     Contract: every failure (network error, timeout, checksum mismatch,
     malformed blob) is a MISS, logged as a warning and counted in ``stats()``,
-    never an exception to the caller. Only ``get_record`` blocks, and only for
-    its ``timeout_s``. Layers handed out are read-only arrays, each
+    never an exception to the caller. Nothing the engine loop calls waits on
+    the network: fetches return futures (only ``get_record``, for tests and
+    tools, blocks). Layers handed out are read-only arrays, each
     ``[kv_heads, chunk_tokens, head_dim]``.
     """
 
@@ -114,12 +115,18 @@ class KvChunkStore(ABC):
         """
 
     @abstractmethod
-    def get_record(self, key: bytes, timeout_s: float) -> bytes | None:
-        """The record under ``key``; blocks for at most ``timeout_s``.
+    def fetch_record(self, key: bytes, timeout_s: float) -> Future[bytes | None]:
+        """Fetch the record under ``key`` in the background; returns at once.
 
-        None on a miss or any failure. Sees this process's own pending
-        ``put_record``/``delete_record`` calls (read-your-writes).
+        The future resolves (never raises) within ``timeout_s`` with the
+        record, or None on a miss or any failure. Sees this process's own
+        pending ``put_record``/``delete_record`` calls (read-your-writes).
         """
+
+    def get_record(self, key: bytes, timeout_s: float) -> bytes | None:
+        """``fetch_record`` waited for: blocks for at most about ``timeout_s``
+        (never call it from the engine loop)."""
+        return self.fetch_record(key, timeout_s).result()
 
     @abstractmethod
     def put_record(self, key: bytes, data: bytes) -> None:
@@ -295,6 +302,7 @@ class GrpcKvChunkStore(_CountingStore):
         self._records: dict[bytes, tuple[int, bytes | None]] = {}  # newest pending write per key
         self._record_seq = 0
         self._prefetches: set[Future[list[KvLayers]]] = set()
+        self._record_fetches: set[Future[bytes | None]] = set()
 
         self._cpu = ThreadPoolExecutor(workers, thread_name_prefix="kv-connector-cpu")
         self._loop = asyncio.new_event_loop()
@@ -344,21 +352,19 @@ class GrpcKvChunkStore(_CountingStore):
             self._count("push_dropped")
             self._warn("kvstore push dropped: too many pending", pending=self._max_pending)
 
-    def get_record(self, key: bytes, timeout_s: float) -> bytes | None:
+    def fetch_record(self, key: bytes, timeout_s: float) -> Future[bytes | None]:
+        future: Future[bytes | None] = Future()
         with self._lock:
             if self._closed:
-                return None
-            if key in self._records:
-                return self._records[key][1]  # our own write has not landed yet
-            call = asyncio.run_coroutine_threadsafe(
-                self._record_client.get(key, timeout_s=timeout_s), self._loop
-            )
-        try:
-            return call.result(timeout_s)
-        except Exception as exc:
-            call.cancel()
-            self._failed("record get", exc, key)
-            return None
+                future.set_result(None)
+            elif key in self._records:
+                future.set_result(self._records[key][1])  # our own write has not landed yet
+            else:
+                self._record_fetches.add(future)
+                self._loop.call_soon_threadsafe(
+                    self._spawn, self._fetch_record, key, timeout_s, future
+                )
+        return future
 
     def put_record(self, key: bytes, data: bytes) -> None:
         self._write_record(key, bytes(data))
@@ -400,8 +406,11 @@ class GrpcKvChunkStore(_CountingStore):
         self._cpu.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             pending, self._prefetches = self._prefetches, set()
+            records, self._record_fetches = self._record_fetches, set()
         for future in pending:
             _resolve(future, [])
+        for record in records:
+            _resolve(record, None)
         log.info("kv connector closed", target=self.target, **self.stats())
 
     def _write_record(self, key: bytes, data: bytes | None) -> None:
@@ -482,6 +491,20 @@ class GrpcKvChunkStore(_CountingStore):
             with self._lock:
                 self._prefetches.discard(future)
             _resolve(future, out)
+
+    async def _fetch_record(
+        self, key: bytes, timeout_s: float, future: Future[bytes | None]
+    ) -> None:
+        data: bytes | None = None
+        try:
+            async with asyncio.timeout(timeout_s):
+                data = await self._record_client.get(key, timeout_s=timeout_s)
+        except Exception as exc:  # TimeoutError, AioRpcError, a bad blob: a miss
+            self._failed("record get", exc, key)
+        finally:
+            with self._lock:
+                self._record_fetches.discard(future)
+            _resolve(future, data)
 
     async def _fetch(self, keys: list[bytes], deadline: float, out: list[KvLayers]) -> None:
         """Get ``keys`` concurrently, check them in order, stop at the first failure."""

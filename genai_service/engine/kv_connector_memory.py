@@ -8,14 +8,16 @@ no network; it shares the counters, warnings and chunk checks of
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from typing import Any, TypeVar
 
 from kvstore.blob import KvHeader, pack_kv
 
 from .kv_connector import _CountingStore, _resolve
 from .prefix_cache import KvLayers
+
+T = TypeVar("T")
 
 
 class MemoryKvChunkStore(_CountingStore):
@@ -23,8 +25,8 @@ class MemoryKvChunkStore(_CountingStore):
 
     Chunks are stored packed (``blobs``, shared with records as in the real
     store), so tests can corrupt them. Knobs, changeable at any time:
-    ``delay_s`` makes prefetch resolve that much later on a timer thread (and
-    get_record block that long); a delay of ``timeout_s`` or more is a timeout.
+    ``delay_s`` makes prefetch and fetch_record resolve that much later on a
+    timer thread; a delay of ``timeout_s`` or more is a timeout.
     ``fail`` makes every operation fail (counted as an error).
     """
 
@@ -41,7 +43,8 @@ class MemoryKvChunkStore(_CountingStore):
         self.fail = fail
         self.blobs: dict[bytes, bytes] = {}
         self._lock = threading.Lock()
-        self._timers: dict[Future[list[KvLayers]], threading.Timer] = {}
+        # Pending delayed fetches, and what each resolves to when the store closes.
+        self._timers: dict[Future[Any], tuple[threading.Timer, Any]] = {}
         self._closed = False
 
     def _collect(self, keys: list[bytes]) -> list[KvLayers]:
@@ -66,26 +69,33 @@ class MemoryKvChunkStore(_CountingStore):
         self._finish_prefetch(len(keys), len(out))
         return out
 
-    def prefetch(self, keys: Sequence[bytes]) -> Future[list[KvLayers]]:
-        future: Future[list[KvLayers]] = Future()
-        keys = list(keys)
-        if not keys or self._closed:
-            future.set_result([])
-        elif self.delay_s <= 0:
-            future.set_result(self._collect(keys))
+    def _later(self, delay_s: float, compute: Callable[[], T], closed: T) -> Future[T]:
+        """A future of ``compute()``, run on a timer thread after ``delay_s``
+        (now when 0); ``closed`` when the store is or gets closed first."""
+        future: Future[T] = Future()
+        if self._closed:
+            future.set_result(closed)
+        elif delay_s <= 0:
+            future.set_result(compute())
         else:
 
             def fire() -> None:
                 with self._lock:
                     self._timers.pop(future, None)
-                _resolve(future, self._collect(keys))
+                _resolve(future, compute())
 
-            timer = threading.Timer(min(self.delay_s, self.timeout_s), fire)
+            timer = threading.Timer(delay_s, fire)
             timer.daemon = True
             with self._lock:
-                self._timers[future] = timer
+                self._timers[future] = (timer, closed)
             timer.start()
         return future
+
+    def prefetch(self, keys: Sequence[bytes]) -> Future[list[KvLayers]]:
+        keys = list(keys)
+        if not keys:
+            return self._later(0, list, [])
+        return self._later(min(self.delay_s, self.timeout_s), lambda: self._collect(keys), [])
 
     def _refused(self, what: str, key: bytes) -> bool:
         """True when a write must not happen: closed, or a failure injected (counted)."""
@@ -109,17 +119,18 @@ class MemoryKvChunkStore(_CountingStore):
             self.blobs.setdefault(key, blob)
         self._count("pushed_chunks")
 
-    def get_record(self, key: bytes, timeout_s: float) -> bytes | None:
-        if self._closed:
-            return None
-        if self.delay_s > 0:
-            time.sleep(min(self.delay_s, timeout_s))
-        if self.fail or self.delay_s >= timeout_s:
-            error = ConnectionError("failure injected") if self.fail else TimeoutError()
-            self._failed("record get", error, key)
-            return None
-        with self._lock:
-            return self.blobs.get(key)
+    def fetch_record(self, key: bytes, timeout_s: float) -> Future[bytes | None]:
+        delay_s = self.delay_s  # as it is when the fetch starts
+
+        def read() -> bytes | None:
+            if self.fail or delay_s >= timeout_s:
+                error = ConnectionError("failure injected") if self.fail else TimeoutError()
+                self._failed("record get", error, key)
+                return None
+            with self._lock:
+                return self.blobs.get(key)
+
+        return self._later(min(delay_s, timeout_s), read, None)
 
     def put_record(self, key: bytes, data: bytes) -> None:
         if self._refused("record write", key):
@@ -143,6 +154,6 @@ class MemoryKvChunkStore(_CountingStore):
         with self._lock:
             self._closed = True
             timers, self._timers = self._timers, {}
-        for future, timer in timers.items():
+        for future, (timer, closed) in timers.items():
             timer.cancel()
-            _resolve(future, [])
+            _resolve(future, closed)

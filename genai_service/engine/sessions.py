@@ -7,30 +7,44 @@ and gives back to the model runner.
 
 With a kvstore, each session is also persisted as a small JSON record (under
 ``record_key``) so that an evicted session, or one created on another
-replica, can be restored from it.
+replica, can be restored from it. The table never fetches records itself:
+the engine does, off its loop, and hands what arrives to ``adopt``.
+
+Metadata and listings are bounded (docs/design.md "Sessions"):
+``check_metadata`` before a session is created, ``SessionTable.page`` for
+ListSessions.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import builtins
 import json
 import re
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
-from ..errors import FailedPrecondition, NotFound, ResourceExhausted
+from ..config import SESSION_LIST_PAGE_BYTES, SessionConfig
+from ..errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from .prefix_cache import kv_nbytes
 
 log = structlog.get_logger(__name__)
 
 SESSION_ID_BYTES = 16  # 128-bit random ids (DESIGN §6)
 _SESSION_ID = re.compile(r"[0-9a-f]{32}")  # secrets.token_hex(SESSION_ID_BYTES)
+DEFAULT_PAGE_SIZE = 50  # ListSessions page_size 0 (AIP-158)
+MAX_PAGE_SIZE = 1000  # larger page sizes are lowered to it (AIP-158)
+# Upper bound of a listed session's wire size besides its metadata: the id,
+# two timestamps, four integers, the flag and the field's own tag and length.
+_SESSION_FIXED_BYTES = 100
+_METADATA_ENTRY_BYTES = 12  # a map entry's tags and lengths, besides its key and value
 
 
 @dataclass(eq=False)
@@ -74,9 +88,85 @@ class SessionInfo:
     last_token_id: int | None = None  # lets the frontend continue a chat template
 
 
-def _not_found(session_id: str) -> NotFound:
+@dataclass(frozen=True)
+class SessionPage:
+    """One page of ListSessions: sessions oldest first, and the next page's token."""
+
+    sessions: list[SessionInfo]
+    next_page_token: str = ""  # "": the last page
+
+
+def not_found(session_id: str) -> NotFound:
     # Never say whether the id was unknown, expired or malformed (DESIGN §5).
     return NotFound(f"session_id: no session {session_id[:64]!r}")
+
+
+def _key_label(key: str) -> str:
+    """How a metadata key appears in an error: quoted, cut at 32 characters."""
+    return repr(key[:32]) + ("…" if len(key) > 32 else "")
+
+
+def check_metadata(metadata: Mapping[str, str], limits: SessionConfig) -> None:
+    """Raise ``InvalidArgument`` unless CreateSession ``metadata`` is within
+    ``limits`` (entries, UTF-8 bytes per key, per value and in all). Counts
+    entries before reading any, so a huge map costs nothing more."""
+    if len(metadata) > limits.max_metadata_entries:
+        raise InvalidArgument(
+            f"metadata: {len(metadata)} entries; at most {limits.max_metadata_entries} allowed"
+        )
+    total = 0
+    for key, value in metadata.items():
+        key_bytes, value_bytes = len(key.encode()), len(value.encode())
+        if key_bytes > limits.max_metadata_key_bytes:
+            raise InvalidArgument(
+                f"metadata: key {_key_label(key)} is {key_bytes} bytes; "
+                f"at most {limits.max_metadata_key_bytes} allowed"
+            )
+        if value_bytes > limits.max_metadata_value_bytes:
+            raise InvalidArgument(
+                f"metadata[{_key_label(key)}]: value is {value_bytes} bytes; "
+                f"at most {limits.max_metadata_value_bytes} allowed"
+            )
+        total += key_bytes + value_bytes
+    if total > limits.max_metadata_bytes:
+        raise InvalidArgument(
+            f"metadata: {total} bytes of keys and values; "
+            f"at most {limits.max_metadata_bytes} allowed"
+        )
+
+
+def listed_bytes(session: Session) -> int:
+    """An upper bound of ``session``'s size in a ListSessions response."""
+    return _SESSION_FIXED_BYTES + sum(
+        len(k.encode()) + len(v.encode()) + _METADATA_ENTRY_BYTES
+        for k, v in session.metadata.items()
+    )
+
+
+def _order(session: Session) -> tuple[float, str]:
+    """Listing order: oldest first; the id breaks ties (stable across pages)."""
+    return session.created_at, session.session_id
+
+
+def _page_token(session: Session) -> str:
+    raw = json.dumps(list(_order(session))).encode()
+    return base64.urlsafe_b64encode(raw).decode()
+
+
+def _parse_page_token(token: str) -> tuple[float, str]:
+    """The listing position a ``_page_token`` names; ``InvalidArgument`` for anything else."""
+    try:
+        created_at, session_id = json.loads(base64.urlsafe_b64decode(token.encode()))
+        if (
+            isinstance(created_at, float | int)
+            and not isinstance(created_at, bool)
+            and isinstance(session_id, str)
+            and is_session_id(session_id)
+        ):
+            return float(created_at), session_id
+    except (binascii.Error, UnicodeError, ValueError, TypeError):
+        pass
+    raise InvalidArgument(f"page_token: {token[:64]!r} is not a next_page_token of ListSessions")
 
 
 class SessionTable:
@@ -86,17 +176,17 @@ class SessionTable:
         idle_ttl_s: float,
         clock: Callable[[], float] = time.time,  # wall clock: timestamps are shown to users
         on_evict: Callable[[Session], None] | None = None,
-        restore: Callable[[str], Session | None] | None = None,
+        persistent: bool = False,
     ) -> None:
-        """With ``restore`` (sessions persisted in the kvstore), an idle session
+        """With ``persistent`` (sessions have kvstore records), an idle session
         past its TTL, or the least recently used idle one when the table is
-        full, is only evicted from memory; ``restore`` brings it back on its
-        next use."""
+        full, is only evicted from memory; the engine brings it back from its
+        record on its next use (``adopt``)."""
         self.max_sessions = max_sessions
         self.idle_ttl_s = idle_ttl_s
         self._clock = clock
         self._on_evict = on_evict
-        self._restore = restore
+        self.persistent = persistent
         self._sessions: dict[str, Session] = {}
         self.evicted = 0
         self.restored = 0
@@ -130,30 +220,40 @@ class SessionTable:
         self._sessions[session.session_id] = session
         return session
 
-    def get(self, session_id: str) -> Session:
+    def find(self, session_id: str) -> Session | None:
+        """The session if it is in memory (and not expired), else None."""
         session = self._sessions.get(session_id)
         if session is not None and self._expired(session, self._clock()):
             self._drop(session)
             session = None
-        if session is None and self._restore is not None:
-            session = self._restore(session_id)
-            if session is not None:
-                self._make_room()
-                if len(self._sessions) >= self.max_sessions:
-                    raise ResourceExhausted(
-                        f"sessions: {len(self._sessions)} busy in memory, the limit is "
-                        f"{self.max_sessions}; retry later"
-                    )
-                self._sessions[session.session_id] = session
-                self.restored += 1
+        return session
+
+    def get(self, session_id: str) -> Session:
+        session = self.find(session_id)
         if session is None:
-            raise _not_found(session_id)
+            raise not_found(session_id)
+        return session
+
+    def adopt(self, session: Session) -> Session:
+        """Take in a session restored from its record; the one already in memory
+        under its id wins (a turn may have created or restored it meanwhile)."""
+        present = self.find(session.session_id)
+        if present is not None:
+            return present
+        self._make_room()
+        if len(self._sessions) >= self.max_sessions:
+            raise ResourceExhausted(
+                f"sessions: {len(self._sessions)} busy in memory, the limit is "
+                f"{self.max_sessions}; retry later"
+            )
+        self._sessions[session.session_id] = session
+        self.restored += 1
         return session
 
     def _make_room(self) -> None:
         """Evict the least recently used idle session when full (only when evicted
         sessions can be restored)."""
-        if self._restore is None or len(self._sessions) < self.max_sessions:
+        if not self.persistent or len(self._sessions) < self.max_sessions:
             return
         idle = [s for s in self._sessions.values() if not s.busy and not s.committing]
         if idle:
@@ -195,6 +295,38 @@ class SessionTable:
     def list(self) -> list[Session]:
         self.expire_idle()
         return list(self._sessions.values())
+
+    def page(
+        self, owner: str | None, page_size: int, page_token: str
+    ) -> tuple[builtins.list[Session], str]:
+        """One ListSessions page (AIP-158) of the sessions ``owner`` holds (all
+        when None), oldest first, and the next page's token ("" at the end).
+        At most ``page_size`` sessions (0: DEFAULT_PAGE_SIZE; above
+        MAX_PAGE_SIZE: that) and SESSION_LIST_PAGE_BYTES, but at least one."""
+        if page_size < 0:
+            raise InvalidArgument(
+                f"page_size: {page_size} is negative; allowed [0, {MAX_PAGE_SIZE}] "
+                f"(0: {DEFAULT_PAGE_SIZE})"
+            )
+        size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+        after = _parse_page_token(page_token) if page_token else None
+        listed = sorted(
+            (
+                s
+                for s in self.list()
+                if (owner is None or s.owner == owner) and (after is None or _order(s) > after)
+            ),
+            key=_order,
+        )
+        out: builtins.list[Session] = []
+        used = 0
+        for session in listed:
+            n = listed_bytes(session)
+            if len(out) == size or (out and used + n > SESSION_LIST_PAGE_BYTES):
+                break
+            out.append(session)
+            used += n
+        return out, _page_token(out[-1]) if len(out) < len(listed) else ""
 
     def trim_parked_kv(self, budget_bytes: int) -> int:
         """Drop the parked KV of the least recently used sessions until what is

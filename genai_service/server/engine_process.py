@@ -11,12 +11,17 @@ Messages frontend → engine:
 Messages engine → frontend:
     ("ready", EngineInfo) | ("outputs", [RequestOutput, ...]) | ("rejected", request_id, error)
     | ("result", call_id, ok, value_or_error) | ("fatal", message)
+
+A call whose answer waits on the kvstore (a session restored from its record)
+returns a ``PendingCall``; its "result" goes out from a later step, and the
+loop keeps stepping meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import multiprocessing as mp
 import os
@@ -31,6 +36,7 @@ import structlog
 
 from ..config import EngineConfig
 from ..engine.request import GenerationRequest, RequestOutput, merge_outputs
+from ..engine.restores import PendingCall
 from ..errors import GenAIError, Internal, InvalidArgument, Unavailable
 
 if TYPE_CHECKING:
@@ -127,6 +133,10 @@ def _engine_main(config: EngineConfig, conn: Connection, log_format: str) -> Non
         outbox.close()
 
 
+def _answer(outbox: _Outbox, call_id: int, ok: bool, value: Any) -> None:
+    outbox.send(("result", call_id, ok, value))
+
+
 def _serve(
     engine: LLMEngine,
     conn: Connection,
@@ -160,7 +170,11 @@ def _serve(
             elif kind == "call":
                 _, call_id, method, args = msg
                 try:
-                    outbox.send(("result", call_id, True, methods[method](*args)))
+                    result = methods[method](*args)
+                    if isinstance(result, PendingCall):  # answered from a later step
+                        result.add_done_callback(functools.partial(_answer, outbox, call_id))
+                    else:
+                        _answer(outbox, call_id, True, result)
                 except GenAIError as exc:
                     outbox.send(("result", call_id, False, exc))
                 except Exception as exc:

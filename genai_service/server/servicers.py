@@ -30,6 +30,7 @@ from .._proto.genai.v1 import (
     session_pb2_grpc,
 )
 from ..engine.request import RequestOutput
+from ..engine.sessions import check_metadata
 from ..engine.tokenizer import Tokenizer
 from ..errors import GenAIError, InvalidArgument, Unauthenticated, Unavailable
 from . import convert
@@ -315,6 +316,8 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
                     "idle_ttl_seconds: 0 is out of range; allowed [1, 4294967295]"
                 )
             ttl = float(request.idle_ttl_seconds)
+        # Before anything reaches the engine (docs/design.md "Sessions").
+        check_metadata(request.metadata, self.fe.engine.config.sessions)
         info = await self.fe.engine.call(
             "create_session", ttl, _principal.get(), dict(request.metadata)
         )
@@ -345,8 +348,13 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
     async def ListSessions(
         self, request: session_pb2.ListSessionsRequest, context: grpc.aio.ServicerContext
     ) -> session_pb2.ListSessionsResponse:
-        infos = await self.fe.engine.call("list_sessions", _principal.get())
-        return session_pb2.ListSessionsResponse(sessions=[convert.session(i) for i in infos])
+        page = await self.fe.engine.call(
+            "list_sessions", _principal.get(), request.page_size, request.page_token
+        )
+        return session_pb2.ListSessionsResponse(
+            sessions=[convert.session(i) for i in page.sessions],
+            next_page_token=page.next_page_token,
+        )
 
 
 class ModelServicer(model_pb2_grpc.ModelServiceServicer):
