@@ -29,7 +29,6 @@ from genai_service.config import (
     SESSION_LIST_PAGE_BYTES,
     CacheConfig,
     EngineConfig,
-    KvStoreConfig,
     LimitsConfig,
     ServerConfig,
     SessionConfig,
@@ -186,7 +185,7 @@ def test_a_stalled_kvstore_never_stalls_another_stream(very_long_context_model_d
                     model_dir=str(very_long_context_model_dir),
                     cache=CacheConfig(chunk_size=4),
                     limits=LimitsConfig(max_new_tokens_limit=16000),
-                    kvstore=KvStoreConfig(kv.target, timeout_s=timeout_s),
+                    kvstore=kv.config(timeout_s=timeout_s),
                 ),
                 port=free_port(),
             )

@@ -40,7 +40,7 @@ def make_engine(model_dir: Path, store: MemoryKvChunkStore) -> LLMEngine:
             model_dir=str(model_dir),
             cache=CacheConfig(chunk_size=4),
             # the target is never dialled: ``chunk_store`` replaces the connector
-            kvstore=KvStoreConfig("127.0.0.1:1", timeout_s=5.0),
+            kvstore=KvStoreConfig("127.0.0.1:1", timeout_s=5.0, auth_token="unused"),
         ),
         chunk_store=store,
     )
