@@ -22,6 +22,7 @@ from .._proto.genai.v1 import (
     session_pb2_grpc,
 )
 from ..config import ServerConfig
+from ..decoding import TolerantDecoding
 from ..engine.model_dir import load_model_spec
 from ..engine.tokenizer import Tokenizer
 from .engine_process import EngineProcess
@@ -62,7 +63,9 @@ class GenAIServer:
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        self.server = grpc.aio.server(options=options)
+        self.server = grpc.aio.server(
+            options=options, interceptors=[TolerantDecoding(SERVICE_NAMES)]
+        )
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(
             GenerateServicer(self.frontend), self.server
         )

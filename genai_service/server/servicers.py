@@ -29,6 +29,7 @@ from .._proto.genai.v1 import (
     session_pb2,
     session_pb2_grpc,
 )
+from ..decoding import Undecodable
 from ..engine.request import RequestOutput
 from ..engine.tokenizer import Tokenizer
 from ..errors import GenAIError, InvalidArgument, Unauthenticated, Unavailable
@@ -160,6 +161,8 @@ def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 _principal.set(self.fe.authenticate(context))
                 self.fe.check_serving()
+                if isinstance(request, Undecodable):
+                    raise request.error()
                 async for item in fn(self, request, context):
                     yield item
                 code = "OK"
@@ -185,6 +188,8 @@ def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             _principal.set(self.fe.authenticate(context))
             self.fe.check_serving()
+            if isinstance(request, Undecodable):
+                raise request.error()
             result = await fn(self, request, context)
             code = "OK"
             return result
@@ -261,6 +266,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
         async def read() -> None:
             async for msg in request_iterator:
+                if isinstance(msg, Undecodable):
+                    raise msg.error()  # ends the whole call: the stream is unusable
                 action = msg.WhichOneof("action")
                 if action == "start":
                     rid = msg.start.request_id
@@ -282,6 +289,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     # The engine ends the request with a CANCELLED final event.
                     self.fe.engine.abort(msg.cancel.request_id)
 
+        def failure() -> BaseException | None:
+            return reader.exception() if reader.done() and not reader.cancelled() else None
+
         reader = asyncio.create_task(read())
         reader.add_done_callback(lambda _: events.put_nowait(None))
         try:
@@ -289,11 +299,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 event = await events.get()
                 if event is not None:
                     yield event
-                elif reader.done() and not tasks and events.empty():
+                elif failure() is not None or (reader.done() and not tasks and events.empty()):
                     break
-            failure = reader.exception()
-            if failure is not None and not isinstance(failure, asyncio.CancelledError):
-                raise failure
+            failed = failure()
+            if isinstance(failed, GenAIError):
+                await context.abort(status_code(failed), failed.message)
+            if failed is not None:
+                raise failed
         finally:
             reader.cancel()
             for task in list(tasks.values()):
