@@ -60,15 +60,26 @@ class Frontend:
         self.tokenizer = tokenizer
         self.max_input_chars = max_input_chars
         self.draining = False
-        self.inflight = 0  # generations running (logged when a drain starts)
+        self.inflight = 0  # generations running (a drain waits for them)
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     @contextlib.contextmanager
     def tracking(self) -> Any:
         self.inflight += 1
+        self._idle.clear()
         try:
             yield
         finally:
             self.inflight -= 1
+            if not self.inflight:
+                self._idle.set()
+
+    async def drained(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until no generation runs; whether none does."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        return not self.inflight
 
     def authenticate(self, context: grpc.aio.ServicerContext) -> str:
         """The principal behind ``authorization: Bearer <token>`` ("" when auth is off)."""
@@ -254,6 +265,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
         async def run_one(rid: str, start: generate_pb2.GenerateRequest) -> None:
             try:
+                self.fe.check_serving()  # a start that arrives while draining
                 async for event in self.fe.events(start):
                     events.put_nowait(
                         generate_pb2.BidiResponse(request_id=rid, **_event_fields(event))
