@@ -299,7 +299,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                         tasks[rid] = asyncio.create_task(run_one(rid, msg.start))
                 elif action == "cancel" and msg.cancel.request_id in tasks:
                     # The engine ends the request with a CANCELLED final event.
-                    self.fe.engine.abort(msg.cancel.request_id)
+                    self.fe.engine.abort(msg.cancel.request_id, _principal.get())
 
         def failure() -> BaseException | None:
             return reader.exception() if reader.done() and not reader.cancelled() else None
