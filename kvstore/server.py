@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from genai_service._proto.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from genai_service.credentials import server_credentials
+from genai_service.decoding import TolerantDecoding, Undecodable
 from genai_service.errors import DataLoss, GenAIError, InvalidArgument, NotFound
 from kvstore.disk_tier import DiskTier
 from kvstore.memory_tier import MemoryTier, StoredBlob
@@ -111,6 +112,8 @@ def _unary(
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> _Response:
         try:
+            if isinstance(request, Undecodable):
+                raise request.error()
             return await method(self, request, context)
         except grpc.aio.AbortError:
             raise
@@ -131,6 +134,8 @@ def _streaming(
         self: Any, request: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[_Response]:
         try:
+            if isinstance(request, Undecodable):
+                raise request.error()
             async for response in method(self, request, context):
                 yield response
         except grpc.aio.AbortError:
@@ -191,6 +196,8 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
         chunks: list[bytes] = []
         received = 0
         async for frame in request_iterator:
+            if isinstance(frame, Undecodable):
+                raise frame.error()
             kind = frame.WhichOneof("frame")
             if header is None:
                 if kind != "header":
@@ -349,7 +356,9 @@ async def start_server(config: KvStoreConfig) -> RunningServer:
     store = BlobStore(MemoryTier(config.memory_bytes), disk)
     await store.open()
 
-    interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
+    interceptors: list[grpc.aio.ServerInterceptor] = [TolerantDecoding((SERVICE_NAME,))]
+    if config.auth_token:
+        interceptors.append(BearerTokenInterceptor(config.auth_token))
     server = grpc.aio.server(
         interceptors=interceptors,
         options=list(CHANNEL_OPTIONS),

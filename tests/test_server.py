@@ -359,24 +359,26 @@ def test_graceful_shutdown_lets_streams_finish(long_context_model_dir: Path) -> 
     with srv.channel() as ch:
         stub = generate_pb2_grpc.GenerateServiceStub(ch)
         health = health_pb2_grpc.HealthStub(ch)
-        stream = stub.GenerateStream(gen_request("the cat", 2000))
+        watch = health.Watch(health_pb2.HealthCheckRequest(), timeout=30)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        stream = stub.GenerateStream(gen_request("the cat", 4000))
         next(stream)
         assert srv.server is not None
         import asyncio
 
-        stopping = asyncio.run_coroutine_threadsafe(srv.server.stop(10), srv.loop)
-        time.sleep(0.2)
-        # draining: GOAWAY, so probes and new RPCs fail over (or see NOT_SERVING)
-        try:
-            status = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
-            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
-        except grpc.RpcError as err:
-            assert err.code() == grpc.StatusCode.UNAVAILABLE
+        stopping = asyncio.run_coroutine_threadsafe(srv.server.stop(30), srv.loop)
+        # draining: probes see NOT_SERVING (not a closed port) while the stream
+        # runs, and new RPCs are refused
+        assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        status = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
         code, _ = code_of(stub.Generate, gen_request("hello", 2), timeout=5)
         assert code == grpc.StatusCode.UNAVAILABLE
+        assert not stopping.done()
         rest = list(stream)
         assert rest[-1].final.finish_reason == common_pb2.FINISH_REASON_MAX_TOKENS
         stopping.result(30)
+        watch.cancel()
     srv.loop.call_soon_threadsafe(srv.loop.stop)
     srv.thread.join(10)
 
@@ -389,7 +391,8 @@ def test_json_form_of_the_final_response(channel: grpc.Channel) -> None:
 
 
 def test_sigterm_drains_and_exits_zero(long_context_model_dir: Path, tmp_path: Path) -> None:
-    """The real `genai-server` command: SIGTERM mid-stream, the stream completes, exit 0."""
+    """The real `genai-server` command: SIGTERM mid-stream; while the stream completes,
+    health answers NOT_SERVING and new requests UNAVAILABLE; exit 0."""
     import signal
     import subprocess
     import sys
@@ -438,9 +441,19 @@ def test_sigterm_drains_and_exits_zero(long_context_model_dir: Path, tmp_path: P
                         sampling=generate_pb2.SamplingParams(top_p=5),
                     )
                 )
-            stream = stub.GenerateStream(gen_request("the cat", 1500))
+            stream = stub.GenerateStream(gen_request("the cat", 4000))
             next(stream)
             proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                status = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+                if status != health_pb2.HealthCheckResponse.SERVING:
+                    break
+                time.sleep(0.01)
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            code, details = code_of(stub.Generate, gen_request("hello", 2), timeout=5)
+            assert code == grpc.StatusCode.UNAVAILABLE and "shutting down" in details
+            assert proc.poll() is None
             rest = list(stream)
             assert rest[-1].final.finish_reason == common_pb2.FINISH_REASON_MAX_TOKENS
         assert proc.wait(timeout=30) == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import time
 
 import grpc
 import structlog
@@ -22,6 +23,7 @@ from .._proto.genai.v1 import (
 )
 from ..config import ServerConfig
 from ..credentials import server_credentials
+from ..decoding import TolerantDecoding
 from ..engine.model_dir import load_model_spec
 from ..engine.tokenizer import Tokenizer
 from .engine_process import EngineProcess
@@ -62,7 +64,9 @@ class GenAIServer:
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        self.server = grpc.aio.server(options=options)
+        self.server = grpc.aio.server(
+            options=options, interceptors=[TolerantDecoding(SERVICE_NAMES)]
+        )
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(
             GenerateServicer(self.frontend), self.server
         )
@@ -138,16 +142,20 @@ class GenAIServer:
         if self._stopped.is_set():
             return
         grace = self.config.grace_period_s if grace_s is None else grace_s
+        deadline = time.monotonic() + grace
         self.frontend.draining = True
         if self._poller is not None:
             self._poller.cancel()
         await self.health.enter_graceful_shutdown()
         log.info("draining", grace_s=grace, inflight=self.frontend.inflight)
-        # gRPC's stop sends GOAWAY (clients reconnect elsewhere), refuses new
-        # RPCs with UNAVAILABLE and lets in-flight ones run for the grace
-        # period; those still running then are cancelled (their engine
-        # requests aborted).
-        await self.server.stop(grace)
+        # The port stays open while generations finish: health answers
+        # NOT_SERVING (probes and load balancers take the replica out) and the
+        # servicers refuse new RPCs with UNAVAILABLE. Then gRPC's stop sends
+        # GOAWAY, refuses everything (health included) and gives what still
+        # runs the rest of the grace period; whatever runs after that is
+        # cancelled (its engine requests aborted).
+        await self.frontend.drained(grace)
+        await self.server.stop(max(0.0, deadline - time.monotonic()))
         if self.frontend.inflight:
             log.warning("grace_period_expired", inflight=self.frontend.inflight)
         await self.engine.stop()

@@ -15,17 +15,24 @@ Messages engine → frontend:
 A call whose answer waits on the kvstore (a session restored from its record)
 returns a ``PendingCall``; its "result" goes out from a later step, and the
 loop keeps stepping meanwhile.
+
+Request ids are the client's and scoped per principal: the engine sees an id
+of its own for each request (the client's id plus a random suffix), so two
+principals may use the same id and neither can abort, or learn of, the
+other's request (docs/design.md, "Processes").
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import itertools
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import secrets
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -213,7 +220,8 @@ class EngineProcess:
         self._ctx = mp.get_context("spawn")
         self._proc: Any = None
         self._conn: Connection | None = None
-        self._queues: dict[str, asyncio.Queue[RequestOutput | GenAIError]] = {}
+        self._queues: dict[str, asyncio.Queue[RequestOutput | GenAIError]] = {}  # by engine id
+        self._engine_ids: dict[tuple[str, str], str] = {}  # (principal, request_id) -> engine id
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count()
         self._ready: asyncio.Future[Any] | None = None
@@ -356,16 +364,19 @@ class EngineProcess:
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
         """Submit a request and yield its outputs; aborts it in the engine if the
-        consumer stops early (client cancel, deadline)."""
+        consumer stops early (client cancel, deadline). ``request.request_id``
+        need only be unique among ``request.principal``'s requests in flight."""
         queue: asyncio.Queue[RequestOutput | GenAIError] = asyncio.Queue()
-        rid = request.request_id
-        if rid in self._queues:
+        rid, key = request.request_id, (request.principal, request.request_id)
+        if key in self._engine_ids:
             raise InvalidArgument(f"request_id: {rid!r} is already in flight")
-        self._queues[rid] = queue
+        engine_id = f"{rid}#{secrets.token_hex(8)}"
+        self._engine_ids[key] = engine_id
+        self._queues[engine_id] = queue
         finished = False
         held: RequestOutput | GenAIError | None = None  # taken from the queue, not yet used
         try:
-            self._send(("add", request))
+            self._send(("add", dataclasses.replace(request, request_id=engine_id)))
             while True:
                 item = held if held is not None else await queue.get()
                 held = None
@@ -385,18 +396,22 @@ class EngineProcess:
                     item = merge_outputs(item, following)
                 if item.finished:
                     finished = True
-                yield item
+                yield dataclasses.replace(item, request_id=rid)
                 if finished:
                     return
         finally:
+            del self._engine_ids[key]
             if not finished:
-                self._queues.pop(rid, None)
+                self._queues.pop(engine_id, None)
                 with contextlib.suppress(GenAIError):
-                    self._send(("abort", rid))
+                    self._send(("abort", engine_id))
 
-    def abort(self, request_id: str) -> None:
-        with contextlib.suppress(GenAIError):
-            self._send(("abort", request_id))
+    def abort(self, request_id: str, principal: str = "") -> None:
+        """Abort ``principal``'s request ``request_id`` (nothing if it has none)."""
+        engine_id = self._engine_ids.get((principal, request_id))
+        if engine_id is not None:
+            with contextlib.suppress(GenAIError):
+                self._send(("abort", engine_id))
 
     async def call(self, method: str, *args: Any) -> Any:
         if method not in CALLABLE:

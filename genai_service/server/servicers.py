@@ -29,6 +29,7 @@ from .._proto.genai.v1 import (
     session_pb2,
     session_pb2_grpc,
 )
+from ..decoding import Undecodable
 from ..engine.request import RequestOutput
 from ..engine.sessions import check_metadata
 from ..engine.tokenizer import Tokenizer
@@ -60,15 +61,26 @@ class Frontend:
         self.tokenizer = tokenizer
         self.max_input_chars = max_input_chars
         self.draining = False
-        self.inflight = 0  # generations running (logged when a drain starts)
+        self.inflight = 0  # generations running (a drain waits for them)
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     @contextlib.contextmanager
     def tracking(self) -> Any:
         self.inflight += 1
+        self._idle.clear()
         try:
             yield
         finally:
             self.inflight -= 1
+            if not self.inflight:
+                self._idle.set()
+
+    async def drained(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until no generation runs; whether none does."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        return not self.inflight
 
     def authenticate(self, context: grpc.aio.ServicerContext) -> str:
         """The principal behind ``authorization: Bearer <token>`` ("" when auth is off)."""
@@ -161,6 +173,8 @@ def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 _principal.set(self.fe.authenticate(context))
                 self.fe.check_serving()
+                if isinstance(request, Undecodable):
+                    raise request.error()
                 async for item in fn(self, request, context):
                     yield item
                 code = "OK"
@@ -186,6 +200,8 @@ def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             _principal.set(self.fe.authenticate(context))
             self.fe.check_serving()
+            if isinstance(request, Undecodable):
+                raise request.error()
             result = await fn(self, request, context)
             code = "OK"
             return result
@@ -250,6 +266,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
         async def run_one(rid: str, start: generate_pb2.GenerateRequest) -> None:
             try:
+                self.fe.check_serving()  # a start that arrives while draining
                 async for event in self.fe.events(start):
                     events.put_nowait(
                         generate_pb2.BidiResponse(request_id=rid, **_event_fields(event))
@@ -262,6 +279,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
         async def read() -> None:
             async for msg in request_iterator:
+                if isinstance(msg, Undecodable):
+                    raise msg.error()  # ends the whole call: the stream is unusable
                 action = msg.WhichOneof("action")
                 if action == "start":
                     rid = msg.start.request_id
@@ -281,7 +300,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                         tasks[rid] = asyncio.create_task(run_one(rid, msg.start))
                 elif action == "cancel" and msg.cancel.request_id in tasks:
                     # The engine ends the request with a CANCELLED final event.
-                    self.fe.engine.abort(msg.cancel.request_id)
+                    self.fe.engine.abort(msg.cancel.request_id, _principal.get())
+
+        def failure() -> BaseException | None:
+            return reader.exception() if reader.done() and not reader.cancelled() else None
 
         reader = asyncio.create_task(read())
         reader.add_done_callback(lambda _: events.put_nowait(None))
@@ -290,11 +312,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 event = await events.get()
                 if event is not None:
                     yield event
-                elif reader.done() and not tasks and events.empty():
+                elif failure() is not None or (reader.done() and not tasks and events.empty()):
                     break
-            failure = reader.exception()
-            if failure is not None and not isinstance(failure, asyncio.CancelledError):
-                raise failure
+            failed = failure()
+            if isinstance(failed, GenAIError):
+                await context.abort(status_code(failed), failed.message)
+            if failed is not None:
+                raise failed
         finally:
             reader.cancel()
             for task in list(tasks.values()):
