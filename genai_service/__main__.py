@@ -8,10 +8,12 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import structlog
 
 from .config import (
+    PREFIX_CACHE_SCOPES,
     CacheConfig,
     EngineConfig,
     KvStoreConfig,
@@ -22,6 +24,7 @@ from .config import (
     SessionConfig,
     SpeculationConfig,
 )
+from .engine.kv_integrity import MIN_SECRET_BYTES
 from .logging import configure_logging
 
 
@@ -68,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=256 * 1024 * 1024,
         help="in-process prefix cache (LRU by bytes; 0: off)",
+    )
+    g.add_argument(
+        "--prefix-cache-scope",
+        choices=PREFIX_CACHE_SCOPES,
+        default=None,
+        help="who shares reused prompt KV: every request, or only one principal's "
+        "(default: principal when --auth-token-file/GENAI_AUTH_TOKEN is set, else global)",
     )
     g.add_argument("--max-sessions", type=int, default=64)
     g.add_argument("--session-ttl", type=float, default=900.0, metavar="S")
@@ -119,7 +129,26 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="a kvstore fetch slower than this is a cache miss",
     )
+    k.add_argument(
+        "--kv-integrity-key-file",
+        default=None,
+        metavar="PATH",
+        help=f"secret (>= {MIN_SECRET_BYTES} characters) sealing what the engine stores in the "
+        "kvstore; replicas share KV and sessions only with the same one (default: a random "
+        "key per process)",
+    )
     return p
+
+
+def read_integrity_key(path: str) -> bytes:
+    """The kv integrity secret in ``path``: its contents, surrounding whitespace stripped."""
+    key = Path(path).read_text().strip()
+    if len(key) < MIN_SECRET_BYTES:
+        raise ValueError(
+            f"--kv-integrity-key-file: the key in {path} has {len(key)} characters; "
+            f"at least {MIN_SECRET_BYTES} are required"
+        )
+    return key.encode()
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -128,6 +157,20 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         from .convert.default_model import resolve_model
 
         model_dir = str(resolve_model("default"))
+    tokens: list[tuple[str, str]] = []
+    if os.environ.get("GENAI_AUTH_TOKEN"):
+        tokens.append((os.environ["GENAI_AUTH_TOKEN"], "default"))
+    if args.auth_token_file:
+        for n, line in enumerate(Path(args.auth_token_file).read_text().splitlines(), 1):
+            fields = line.split()
+            if not fields or fields[0].startswith("#"):
+                continue
+            if len(fields) != 2:
+                raise ValueError(f"{args.auth_token_file}:{n}: expected 'PRINCIPAL TOKEN'")
+            tokens.append((fields[1], fields[0]))
+    kvstore_options: dict[str, Any] = {}
+    if args.kv_integrity_key_file:
+        kvstore_options["integrity_key"] = read_integrity_key(args.kv_integrity_key_file)
     engine = EngineConfig(
         model_dir=model_dir,
         runner=RunnerConfig(intra_op_threads=args.threads, runner=args.runner),
@@ -137,7 +180,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             max_queue=args.max_queue,
         ),
         cache=CacheConfig(
-            chunk_size=args.kv_chunk_size, prefix_cache_bytes=args.prefix_cache_bytes
+            chunk_size=args.kv_chunk_size,
+            prefix_cache_bytes=args.prefix_cache_bytes,
+            prefix_cache_scope=args.prefix_cache_scope or ("principal" if tokens else "global"),
         ),
         sessions=SessionConfig(
             max_sessions=args.max_sessions,
@@ -157,22 +202,12 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                 args.kvstore,
                 timeout_s=args.kvstore_timeout,
                 auth_token=os.environ.get("GENAI_KVSTORE_AUTH_TOKEN") or None,
+                **kvstore_options,
             )
             if args.kvstore
             else None
         ),
     )
-    tokens: list[tuple[str, str]] = []
-    if os.environ.get("GENAI_AUTH_TOKEN"):
-        tokens.append((os.environ["GENAI_AUTH_TOKEN"], "default"))
-    if args.auth_token_file:
-        for n, line in enumerate(Path(args.auth_token_file).read_text().splitlines(), 1):
-            fields = line.split()
-            if not fields or fields[0].startswith("#"):
-                continue
-            if len(fields) != 2:
-                raise ValueError(f"{args.auth_token_file}:{n}: expected 'PRINCIPAL TOKEN'")
-            tokens.append((fields[1], fields[0]))
     return ServerConfig(
         auth_tokens=tuple(tokens),
         metrics_port=args.metrics_port,
@@ -196,6 +231,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         log.error("bad_configuration", error=str(exc))
         return 2
+    if config.engine.kvstore is not None and not args.kv_integrity_key_file:
+        log.warning(
+            "kv_integrity_key_generated",
+            detail="no --kv-integrity-key-file: a random key for this process, so it trusts "
+            "only KV chunks and sessions it wrote itself (no reuse across replicas or restarts)",
+        )
     from .server.app import serve
 
     try:

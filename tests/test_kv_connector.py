@@ -19,6 +19,7 @@ from genai_service.engine.kv_connector import (
     KvChunkStore,
 )
 from genai_service.engine.kv_connector_memory import MemoryKvChunkStore
+from genai_service.engine.kv_integrity import TAG_BYTES, KvIntegrity
 from genai_service.engine.prefix_cache import KvLayers, chunk_keys, make_namespace
 from kvstore.blob import pack_kv
 from kvstore.client import KvStoreClient
@@ -26,7 +27,14 @@ from kvstore.server import KvStoreConfig, RunningServer, start_server
 from tests.server_harness import free_port
 
 WAIT_S = 10.0  # upper bound on any wait in these tests, never a speed assertion
-NAMESPACE = make_namespace("test-model", "float32", "L2.H2.D4.hnd", 4)
+# The replicas of these tests trust each other: one integrity secret.
+INTEGRITY = KvIntegrity(b"connector-tests-integrity-secret-0123")
+NAMESPACE = make_namespace("test-model", "float32", "L2.H2.D4.hnd", 4, key_id=INTEGRITY.key_id)
+
+
+def _sealed(key: bytes, layers: KvLayers, dtype: str = "float32") -> bytes:
+    """What a replica holding INTEGRITY stores under ``key``."""
+    return INTEGRITY.seal(key, pack_kv(layers, dtype))
 
 
 def _keys(n: int, first_token: int = 1) -> list[bytes]:
@@ -148,7 +156,11 @@ def connect() -> Iterator[ConnectorFactory]:
     made: list[GrpcKvChunkStore] = []
 
     def _connect(target: str, **kwargs: object) -> GrpcKvChunkStore:
-        settings: dict[str, object] = {"dtype": "float32", "timeout_s": 5.0}
+        settings: dict[str, object] = {
+            "dtype": "float32",
+            "timeout_s": 5.0,
+            "integrity": INTEGRITY,
+        }
         settings.update(kwargs)
         store = GrpcKvChunkStore(target, **settings)  # type: ignore[arg-type]
         made.append(store)
@@ -185,7 +197,7 @@ def test_push_then_prefetch_is_byte_identical(
     stats = reader.stats()
     assert stats["hits_chunks"] == n
     assert stats["misses"] == 0
-    assert stats["fetched_bytes"] == sum(len(pack_kv(c, dtype)) for c in chunks)
+    assert stats["fetched_bytes"] == sum(len(pack_kv(c, dtype)) + TAG_BYTES for c in chunks)
     assert stats["errors"] == stats["timeouts"] == stats["checksum_failures"] == 0
 
 
@@ -215,9 +227,9 @@ def test_corrupt_blob_in_the_store_stops_the_chain(
     corrupt = bytearray(pack_kv(chunks[1], "float32"))
     corrupt[40] ^= 0xFF  # a body byte: the payload's own trailer no longer matches
     with KvStoreClient(kvstore.target) as raw:  # the store accepts it: it is opaque bytes
-        raw.put(keys[0], pack_kv(chunks[0], "float32"))
-        raw.put(keys[1], bytes(corrupt))
-        raw.put(keys[2], pack_kv(chunks[2], "float32"))
+        raw.put(keys[0], _sealed(keys[0], chunks[0]))
+        raw.put(keys[1], INTEGRITY.seal(keys[1], corrupt))  # rot before sealing: MAC passes
+        raw.put(keys[2], _sealed(keys[2], chunks[2]))
 
     store = connect(kvstore.target)
     _assert_same(_prefetch(store, keys), chunks[:1])
@@ -231,8 +243,8 @@ def test_chunk_of_another_dtype_is_a_miss(
 ) -> None:
     keys = _keys(2)
     with KvStoreClient(kvstore.target) as raw:
-        raw.put(keys[0], pack_kv(_chunk(0), "float32"))
-        raw.put(keys[1], pack_kv(_chunk(1, "float16"), "float16"))
+        raw.put(keys[0], _sealed(keys[0], _chunk(0)))
+        raw.put(keys[1], _sealed(keys[1], _chunk(1, "float16"), "float16"))
     store = connect(kvstore.target)
     _assert_same(_prefetch(store, keys), [_chunk(0)])
     assert store.stats()["errors"] == 1
@@ -420,10 +432,10 @@ def test_memory_store_corruption_delay_and_failure() -> None:
     for key, layers in zip(keys, chunks, strict=True):
         store.push(key, layers)
     blob = bytearray(store.blobs[keys[1]])
-    blob[30] ^= 1
+    blob[30] ^= 1  # after sealing: the MAC catches it before the payload checksum
     store.blobs[keys[1]] = bytes(blob)
     _assert_same(_prefetch(store, keys), chunks[:1])
-    assert store.stats()["checksum_failures"] == 1
+    assert store.stats()["mac_failures"] == 1
 
     store.delay_s = 0.05
     future = store.prefetch(keys[:1])

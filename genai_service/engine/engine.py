@@ -299,7 +299,7 @@ class LLMEngine:
         if session.running_request_id is not None:
             self.abort(session.running_request_id)  # closing cancels a running turn
         if self.remote is not None:
-            self.remote.delete_record(record_key(session_id))
+            self.remote.delete_record(self._record_key(session_id))
         return SessionTable.info(self.sessions.close(session_id))
 
     def list_sessions(self, principal: str = "") -> list[SessionInfo]:
@@ -477,7 +477,7 @@ class LLMEngine:
         if seq.session is not None and self.remote is not None and self.config.kvstore:
             # Answer only once the session record is visible to other replicas,
             # so the next turn may go to any of them.
-            key = record_key(seq.session.session_id)
+            key = self._record_key(seq.session.session_id)
             give_up = time.monotonic() + self.config.kvstore.record_wait_s
             self._held.append((key, give_up, final))
             return RequestOutput(seq.request_id, (token,), text, (lp,) if lp else ())
@@ -586,15 +586,19 @@ class LLMEngine:
         dropped = self.sessions.trim_parked_kv(self.config.sessions.max_parked_kv_bytes)
         self.counters["session_kv_evicted"] += dropped
 
+    def _record_key(self, session_id: str) -> bytes:
+        assert self.remote is not None  # records live in the kvstore
+        return record_key(session_id, self.remote.integrity.key_id)
+
     def _save_session(self, session: Session) -> None:
         if self.remote is not None:
-            self.remote.put_record(record_key(session.session_id), session_record(session))
+            self.remote.put_record(self._record_key(session.session_id), session_record(session))
 
     def _restore_session(self, session_id: str) -> Session | None:
         """A session not in memory (evicted, or created on another replica)."""
         if self.remote is None or not is_session_id(session_id):
             return None
-        data = self.remote.get_record(record_key(session_id), self._kvstore_timeout_s)
+        data = self.remote.get_record(self._record_key(session_id), self._kvstore_timeout_s)
         if data is None:
             return None
         session = session_from_record(session_id, data, self.vocab_size)

@@ -1,7 +1,7 @@
 """``MemoryKvChunkStore``: the in-process ``KvChunkStore`` for engine tests and dev.
 
 Same contract as ``GrpcKvChunkStore`` (``kv_connector``), kept in a dict with
-no network; it shares the counters, warnings and chunk checks of
+no network; it shares the counters, warnings, sealing and chunk checks of
 ``kv_connector._CountingStore``.
 """
 
@@ -12,17 +12,18 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 
-from kvstore.blob import KvHeader, pack_kv
+from kvstore.blob import KvHeader
 
 from .kv_connector import _CountingStore, _resolve
+from .kv_integrity import IntegrityError, KvIntegrity
 from .prefix_cache import KvLayers
 
 
 class MemoryKvChunkStore(_CountingStore):
     """``KvChunkStore`` in a dict, for engine tests; same contract, no network.
 
-    Chunks are stored packed (``blobs``, shared with records as in the real
-    store), so tests can corrupt them. Knobs, changeable at any time:
+    Chunks are stored packed and sealed (``blobs``, shared with records as in
+    the real store), so tests can corrupt or forge them. Knobs, changeable at any time:
     ``delay_s`` makes prefetch resolve that much later on a timer thread (and
     get_record block that long); a delay of ``timeout_s`` or more is a timeout.
     ``fail`` makes every operation fail (counted as an error).
@@ -35,8 +36,9 @@ class MemoryKvChunkStore(_CountingStore):
         timeout_s: float = 2.0,
         delay_s: float = 0.0,
         fail: bool = False,
+        integrity: KvIntegrity | None = None,
     ) -> None:
-        super().__init__(dtype, timeout_s)
+        super().__init__(dtype, timeout_s, integrity)
         self.delay_s = delay_s
         self.fail = fail
         self.blobs: dict[bytes, bytes] = {}
@@ -104,7 +106,7 @@ class MemoryKvChunkStore(_CountingStore):
         if present:
             self._count("push_skipped")
             return
-        blob = pack_kv(layers, self.dtype)
+        blob = self._pack(key, layers)
         with self._lock:
             self.blobs.setdefault(key, blob)
         self._count("pushed_chunks")
@@ -119,13 +121,19 @@ class MemoryKvChunkStore(_CountingStore):
             self._failed("record get", error, key)
             return None
         with self._lock:
-            return self.blobs.get(key)
+            sealed = self.blobs.get(key)
+        try:
+            return self._open_record(key, sealed)
+        except IntegrityError as exc:
+            self._failed("record get", exc, key)
+            return None
 
     def put_record(self, key: bytes, data: bytes) -> None:
         if self._refused("record write", key):
             return
+        sealed = self.integrity.seal(key, data)
         with self._lock:
-            self.blobs[key] = bytes(data)
+            self.blobs[key] = sealed
 
     def delete_record(self, key: bytes) -> None:
         if self._refused("record write", key):
