@@ -396,6 +396,27 @@ def test_records_put_get_replace_delete(kvstore: KvStoreThread, connect: Connect
         assert stats["errors"] == stats["timeouts"] == stats["records_dropped"] == 0
 
 
+def test_blobs_not_sealed_under_our_secret_are_counted_misses(
+    kvstore: KvStoreThread, connect: ConnectorFactory
+) -> None:
+    keys = _keys(1)
+    ours = connect(kvstore.target)
+    foreign = connect(kvstore.target, integrity=KvIntegrity.generate())  # another secret
+    foreign.push(keys[0], _chunk(0))
+    foreign.put_record(b"session:x", b"theirs")
+    ours.put_record(b"session:a", b"mine")
+    assert foreign.flush(WAIT_S) and ours.flush(WAIT_S)
+    assert _prefetch(ours, keys) == []
+    assert ours.get_record(b"session:x", timeout_s=2.0) is None
+    with KvStoreClient(kvstore.target) as raw:  # our own sealed record, replayed elsewhere
+        raw.put(b"session:b", raw.get(b"session:a") or b"")
+    assert ours.get_record(b"session:b", timeout_s=2.0) is None
+    assert ours.get_record(b"session:a", timeout_s=2.0) == b"mine"
+    stats = ours.stats()
+    assert stats["mac_failures"] == 3
+    assert stats["errors"] == stats["checksum_failures"] == stats["hits_chunks"] == 0
+
+
 def test_slow_record_get_returns_none(
     stalling_stub: StubFactory, connect: ConnectorFactory
 ) -> None:
@@ -469,6 +490,18 @@ def test_memory_store_records() -> None:
     store.delete_record(b"session:a")
     assert store.get_record(b"session:a", timeout_s=0.1) is None
     assert store.flush(0.1)
+
+
+def test_memory_store_refuses_records_it_did_not_seal() -> None:
+    store = MemoryKvChunkStore()
+    store.put_record(b"session:a", b"v1")
+    store.blobs[b"session:b"] = store.blobs[b"session:a"]  # replayed under another key
+    store.blobs[b"session:c"] = KvIntegrity.generate().seal(b"session:c", b"forged")
+    store.blobs[b"session:d"] = b"not sealed at all"
+    for key in (b"session:b", b"session:c", b"session:d"):
+        assert store.get_record(key, timeout_s=0.1) is None
+    assert store.get_record(b"session:a", timeout_s=0.1) == b"v1"
+    assert store.stats()["mac_failures"] == 3
 
 
 @pytest.mark.parametrize("bad", [{"dtype": "int8"}, {"timeout_s": 0.0}])

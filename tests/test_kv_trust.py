@@ -305,3 +305,15 @@ def test_prefix_cache_scope_defaults_to_principal_with_auth(
     assert _config(tmp_path, *flags).engine.cache.prefix_cache_scope == "global"
     with pytest.raises(ValueError, match="prefix_cache_scope must be one of global, principal"):
         CacheConfig(prefix_cache_scope="tenant")
+
+
+def test_genai_stack_writes_a_private_key_the_server_accepts(tmp_path: Path) -> None:
+    from genai_service.__main__ import read_integrity_key
+    from genai_service.launcher import write_integrity_key
+
+    path = Path(write_integrity_key(str(tmp_path)))
+    assert path.stat().st_mode & 0o777 == 0o600
+    key = read_integrity_key(str(path))
+    other = tmp_path / "other"
+    other.mkdir()
+    assert len(key) >= 32 and key != read_integrity_key(write_integrity_key(str(other)))
