@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -268,9 +270,7 @@ def _config(tmp_path: Path, *flags: str) -> ServerConfig:
     return config_from_args(args)
 
 
-def test_integrity_key_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from genai_service.__main__ import main
-
+def test_integrity_key_file(tmp_path: Path) -> None:
     key = tmp_path / "kv.key"
     key.write_text("\n  " + "k" * 40 + "  \n")
     config = _config(tmp_path, "--kvstore", "127.0.0.1:1", "--kv-integrity-key-file", str(key))
@@ -288,10 +288,17 @@ def test_integrity_key_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     key.write_text("too-short-a-secret\n")
     with pytest.raises(ValueError, match="at least 32"):
         _config(tmp_path, "--kvstore", "127.0.0.1:1", "--kv-integrity-key-file", str(key))
+    # genai-server itself (a child process: it configures logging for good).
     flags = ["--kvstore", "127.0.0.1:1", "--kv-integrity-key-file", str(key)]
-    assert main(["--model", str(tmp_path), *flags]) == 2
-    err = capsys.readouterr().err
-    assert "--kv-integrity-key-file" in err and "has 18 characters; at least 32" in err
+    run = subprocess.run(
+        [sys.executable, "-m", "genai_service", "--model", str(tmp_path), *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2
+    assert "--kv-integrity-key-file" in run.stderr
+    assert "has 18 characters; at least 32" in run.stderr
 
 
 def test_prefix_cache_scope_defaults_to_principal_with_auth(
