@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import statistics
 import time
 from typing import Any
@@ -54,6 +55,7 @@ def measure(
     from tests.kvstore_harness import KvStoreProcess
 
     kv = KvStoreProcess("--log-format", "console", "--memory-bytes", str(4 << 30)).start()
+    secret = secrets.token_bytes(32)  # engine B trusts what engine A wrote
     try:
 
         def engine() -> LLMEngine:
@@ -62,7 +64,7 @@ def measure(
                     model_dir=model_dir,
                     runner=RunnerConfig(intra_op_threads=threads),
                     cache=CacheConfig(chunk_size=chunk),
-                    kvstore=kv.config(timeout_s=10.0),
+                    kvstore=kv.config(timeout_s=10.0, integrity_key=secret),
                 )
             )
             # Warm up as genai-server does before it reports SERVING, so neither

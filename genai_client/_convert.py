@@ -51,7 +51,8 @@ class GenerateOptions(TypedDict, total=False):
     ``top_logprobs`` (N alternatives per token; 0: no logprobs), ``priority``
     ("low", "normal" or "high"), ``add_special_tokens``,
     ``skip_special_tokens``, ``request_id`` (default: the server assigns one;
-    ``bidi().start`` generates one).
+    ``bidi().start`` generates one), ``cache_salt`` (only requests with the
+    same salt share reused prompt KV).
     """
 
     token_ids: Sequence[int] | None
@@ -77,6 +78,7 @@ class GenerateOptions(TypedDict, total=False):
     add_special_tokens: bool | None
     skip_special_tokens: bool | None
     request_id: str | None
+    cache_salt: str | None
 
 
 _FINISH_PREFIX = "FINISH_REASON_"
@@ -138,6 +140,7 @@ def generate_request(
     add_special_tokens: bool | None = None,
     skip_special_tokens: bool | None = None,
     request_id: str | None = None,
+    cache_salt: str | None = None,
 ) -> generate_pb2.GenerateRequest:
     """Build a GenerateRequest; ``None`` leaves a field unset (server default)."""
     given = [
@@ -166,6 +169,7 @@ def generate_request(
         request,
         add_special_tokens=add_special_tokens,
         skip_special_tokens=skip_special_tokens,
+        cache_salt=cache_salt,
     )
     sampling = generate_pb2.SamplingParams()
     _set_optional(

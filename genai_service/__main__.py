@@ -8,10 +8,12 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import structlog
 
 from .config import (
+    PREFIX_CACHE_SCOPES,
     CacheConfig,
     EngineConfig,
     KvStoreConfig,
@@ -23,6 +25,7 @@ from .config import (
     SpeculationConfig,
 )
 from .credentials import read_secret_file
+from .engine.kv_integrity import MIN_SECRET_BYTES
 from .logging import configure_logging
 
 
@@ -69,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=256 * 1024 * 1024,
         help="in-process prefix cache (LRU by bytes; 0: off)",
+    )
+    g.add_argument(
+        "--prefix-cache-scope",
+        choices=PREFIX_CACHE_SCOPES,
+        default=None,
+        help="who shares reused prompt KV: every request, or only one principal's "
+        "(default: principal when --auth-token-file/GENAI_AUTH_TOKEN is set, else global)",
     )
     g.add_argument("--max-sessions", type=int, default=64)
     g.add_argument("--session-ttl", type=float, default=900.0, metavar="S")
@@ -163,10 +173,32 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--kvstore-tls-ca", default=None, metavar="PEM", help="kvstore over TLS")
     k.add_argument("--kvstore-tls-cert", default=None, metavar="PEM", help="client certificate")
     k.add_argument("--kvstore-tls-key", default=None, metavar="PEM")
+    k.add_argument(
+        "--kv-integrity-key-file",
+        default=None,
+        metavar="PATH",
+        help=f"secret (>= {MIN_SECRET_BYTES} characters) sealing what the engine stores in the "
+        "kvstore; replicas share KV and sessions only with the same one (default: a random "
+        "key per process)",
+    )
     return p
 
 
+def read_integrity_key(path: str) -> bytes:
+    """The kv integrity secret in ``path``: its contents, surrounding whitespace stripped."""
+    key = read_secret_file(path, "--kv-integrity-key-file")
+    if len(key) < MIN_SECRET_BYTES:
+        raise ValueError(
+            f"--kv-integrity-key-file: the key in {path} has {len(key)} characters; "
+            f"at least {MIN_SECRET_BYTES} are required"
+        )
+    return key.encode()
+
+
 def kvstore_config(args: argparse.Namespace) -> KvStoreConfig | None:
+    options: dict[str, Any] = {}
+    if args.kv_integrity_key_file:  # checked even without --kvstore: a bad file is a mistake
+        options["integrity_key"] = read_integrity_key(args.kv_integrity_key_file)
     if not args.kvstore:
         return None
     token = None
@@ -182,6 +214,7 @@ def kvstore_config(args: argparse.Namespace) -> KvStoreConfig | None:
         tls_ca_file=args.kvstore_tls_ca,
         tls_cert_file=args.kvstore_tls_cert,
         tls_key_file=args.kvstore_tls_key,
+        **options,
     )
 
 
@@ -191,6 +224,17 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         from .convert.default_model import resolve_model
 
         model_dir = str(resolve_model("default"))
+    tokens: list[tuple[str, str]] = []
+    if os.environ.get("GENAI_AUTH_TOKEN"):
+        tokens.append((os.environ["GENAI_AUTH_TOKEN"], "default"))
+    if args.auth_token_file:
+        for n, line in enumerate(Path(args.auth_token_file).read_text().splitlines(), 1):
+            fields = line.split()
+            if not fields or fields[0].startswith("#"):
+                continue
+            if len(fields) != 2:
+                raise ValueError(f"{args.auth_token_file}:{n}: expected 'PRINCIPAL TOKEN'")
+            tokens.append((fields[1], fields[0]))
     engine = EngineConfig(
         model_dir=model_dir,
         runner=RunnerConfig(intra_op_threads=args.threads, runner=args.runner),
@@ -200,7 +244,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             max_queue=args.max_queue,
         ),
         cache=CacheConfig(
-            chunk_size=args.kv_chunk_size, prefix_cache_bytes=args.prefix_cache_bytes
+            chunk_size=args.kv_chunk_size,
+            prefix_cache_bytes=args.prefix_cache_bytes,
+            prefix_cache_scope=args.prefix_cache_scope or ("principal" if tokens else "global"),
         ),
         sessions=SessionConfig(
             max_sessions=args.max_sessions,
@@ -221,17 +267,6 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_context_length=args.max_context_length,
         kvstore=kvstore_config(args),
     )
-    tokens: list[tuple[str, str]] = []
-    if os.environ.get("GENAI_AUTH_TOKEN"):
-        tokens.append((os.environ["GENAI_AUTH_TOKEN"], "default"))
-    if args.auth_token_file:
-        for n, line in enumerate(Path(args.auth_token_file).read_text().splitlines(), 1):
-            fields = line.split()
-            if not fields or fields[0].startswith("#"):
-                continue
-            if len(fields) != 2:
-                raise ValueError(f"{args.auth_token_file}:{n}: expected 'PRINCIPAL TOKEN'")
-            tokens.append((fields[1], fields[0]))
     return ServerConfig(
         auth_tokens=tuple(tokens),
         metrics_port=args.metrics_port,
@@ -257,6 +292,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if config.engine.kvstore is not None and config.engine.kvstore.insecure:
         log.warning("kvstore_insecure", target=config.engine.kvstore.target, auth=False)
+    if config.engine.kvstore is not None and not args.kv_integrity_key_file:
+        log.warning(
+            "kv_integrity_key_generated",
+            detail="no --kv-integrity-key-file: a random key for this process, so it trusts "
+            "only KV chunks and sessions it wrote itself (no reuse across replicas or restarts)",
+        )
     from .server.app import serve
 
     try:

@@ -6,7 +6,10 @@ Environment variables and command-line flags are read in exactly one place
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
+
+from .engine.kv_integrity import MIN_SECRET_BYTES
 
 
 def _positive(name: str, value: int | float) -> None:
@@ -78,15 +81,27 @@ class SpeculationConfig:
             )
 
 
+PREFIX_CACHE_SCOPES = ("global", "principal")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """In-process prefix reuse (DESIGN §4 chunk keys)."""
 
     chunk_size: int = 256  # tokens per KV chunk (genai-server --kv-chunk-size)
     prefix_cache_bytes: int = 256 * 1024 * 1024  # LRU bound; 0 disables prefix reuse
+    # Who shares reused prefixes (genai-server --prefix-cache-scope): "global",
+    # every request; "principal", only requests of the same caller (reuse is
+    # a timing side channel: one tenant could probe another's prompts).
+    prefix_cache_scope: str = "global"
 
     def __post_init__(self) -> None:
         _positive("chunk_size", self.chunk_size)
+        if self.prefix_cache_scope not in PREFIX_CACHE_SCOPES:
+            raise ValueError(
+                f"prefix_cache_scope must be one of {', '.join(PREFIX_CACHE_SCOPES)}; "
+                f"got {self.prefix_cache_scope!r}"
+            )
         if self.prefix_cache_bytes < 0:
             raise ValueError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
 
@@ -147,6 +162,7 @@ class LimitsConfig:
     max_stop_token_ids: int = 64
     max_top_logprobs: int = 20
     max_time_limit_ms: int = 3_600_000
+    max_cache_salt_chars: int = 256
 
     def __post_init__(self) -> None:
         for name in (
@@ -156,6 +172,7 @@ class LimitsConfig:
             "max_stop_sequence_chars",
             "max_stop_token_ids",
             "max_time_limit_ms",
+            "max_cache_salt_chars",
         ):
             _positive(name, getattr(self, name))
         if self.max_top_logprobs < 0:
@@ -181,6 +198,14 @@ class KvStoreConfig:
     tls_ca_file: str | None = None  # PEM; dial the kvstore over TLS, trusting this CA
     tls_cert_file: str | None = None  # PEM client certificate, for a kvstore requiring mTLS
     tls_key_file: str | None = None
+    # The secret that seals what the engine stores (genai-server
+    # --kv-integrity-key-file): replicas share KV chunks and sessions only
+    # when theirs are equal. Default: random, made once per configuration (so
+    # per server process: the engine keeps it across restarts), trusting only
+    # what this process wrote.
+    integrity_key: bytes = field(
+        default_factory=lambda: secrets.token_bytes(MIN_SECRET_BYTES), repr=False
+    )
 
     def __post_init__(self) -> None:
         if ":" not in self.target:
@@ -200,6 +225,11 @@ class KvStoreConfig:
         _positive("kvstore timeout_s", self.timeout_s)
         if self.record_wait_s < 0:
             raise ValueError(f"record_wait_s must be >= 0, got {self.record_wait_s}")
+        if len(self.integrity_key) < MIN_SECRET_BYTES:
+            raise ValueError(
+                f"kvstore integrity_key is {len(self.integrity_key)} bytes; at least "
+                f"{MIN_SECRET_BYTES} are required"
+            )
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,12 @@
 Starts ``genai-kvstore`` and ``genai-server`` (connected to it) as child
 processes, both given one data-plane token through the environment (not argv,
 which ``ps`` shows): ``$GENAI_KVSTORE_AUTH_TOKEN`` when set, else a fresh
-random one, so nothing without it can read or write the pair's KV. It waits
-until the server reports SERVING, streams one sample chat answer through the
-public client, then keeps serving until Ctrl-C/SIGTERM and stops both
-children gracefully.
+random one, so nothing without it can read or write the pair's KV. The server
+also gets a freshly generated KV integrity key (``--kv-integrity-key-file``: a
+0600 file in a private temporary directory, removed at exit). It waits until
+the server reports SERVING, streams one sample chat answer through the public
+client, then keeps serving until Ctrl-C/SIGTERM and stops both children
+gracefully.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 
@@ -69,6 +73,15 @@ def sample_request(target: str, prompt: str) -> None:
         )
 
 
+def write_integrity_key(directory: str) -> str:
+    """A new random KV integrity key in ``directory``, readable by this user only."""
+    path = os.path.join(directory, "kv-integrity.key")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    return path
+
+
 def stop_all(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 30) -> None:
     for proc in procs:
         if proc.poll() is None:
@@ -103,12 +116,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]  # fmt: skip
     if args.kvstore_disk_dir:
         kv_cmd += ["--disk-dir", args.kvstore_disk_dir]
+    key_dir = tempfile.mkdtemp(prefix="genai-stack-")  # mode 0700; removed at exit
     server_cmd = [
         os.path.join(bin_dir, "genai-server"),
         "--model", args.model,
         "--host", args.host,
         "--port", str(args.port),
         "--kvstore", f"{args.host}:{args.kvstore_port}",
+        "--kv-integrity-key-file", write_integrity_key(key_dir),
         *server_args,
     ]  # fmt: skip
     env = {**os.environ, KVSTORE_TOKEN_ENV: data_plane_token(os.environ)}
@@ -136,6 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if stop_requested else 1
     finally:
         stop_all(procs)
+        shutil.rmtree(key_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -121,7 +121,7 @@ def pack_kv(layers: list[tuple[np.ndarray, np.ndarray]], dtype: object) -> bytes
     return bytes(out)
 
 
-def unpack_kv(blob: bytes) -> tuple[KvHeader, list[tuple[np.ndarray, np.ndarray]]]:
+def unpack_kv(blob: bytes | memoryview) -> tuple[KvHeader, list[tuple[np.ndarray, np.ndarray]]]:
     """Verify and parse a payload made by ``pack_kv``.
 
     Returns read-only views into ``blob`` (no copy), K and V per layer, each

@@ -427,14 +427,36 @@ def test_server_args_parse_and_make_a_valid_config(
     monkeypatch.setenv("GENAI_KVSTORE_AUTH_TOKEN", "data-token")
     if args.model == "default":
         args.model = str(tmp_path)
+    key_file = tmp_path / "kv-integrity-key"  # stands in for the mounted Secret
+    key_file.write_text("k" * 64 + "\n")
+    assert args.kv_integrity_key_file
+    args.kv_integrity_key_file = str(key_file)
     config = config_from_args(args)
     assert config.auth_tokens == (("control-token", "default"),)
     assert config.engine.kvstore is not None
     assert config.engine.kvstore.auth_token == "data-token"
+    assert config.engine.kvstore.integrity_key == b"k" * 64
     assert not args.kvstore_insecure
     monkeypatch.delenv("GENAI_KVSTORE_AUTH_TOKEN")
     with pytest.raises(ValueError, match="--kvstore-insecure"):
         config_from_args(args)
+
+
+@pytest.mark.parametrize("name", RENDERINGS)
+def test_kv_integrity_key_comes_from_a_secret(name: str) -> None:
+    """Every replica reads one key, from a Secret of its own (not the tokens'),
+    mounted read-only and readable by the server's group only."""
+    spec = pod_spec(deployment(rendered(name)))
+    c = container(spec, SERVER_CONTAINER)
+    path = server_args(c).kv_integrity_key_file
+    (mount,) = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")]
+    assert mount.get("readOnly") is True
+    source = volume(spec, mount["name"])["secret"]
+    assert source["secretName"] == "genai-grpc-kv-integrity"
+    assert not source.get("optional"), "a replica without the key would share nothing"
+    assert source["defaultMode"] & 0o007 == 0, "not world-readable"
+    assert spec["securityContext"]["fsGroup"] and source["defaultMode"] & 0o040
+    assert path.removeprefix(mount["mountPath"].rstrip("/") + "/") == "key"
 
 
 @pytest.mark.parametrize("name", RENDERINGS)

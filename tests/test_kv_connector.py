@@ -19,6 +19,7 @@ from genai_service.engine.kv_connector import (
     KvChunkStore,
 )
 from genai_service.engine.kv_connector_memory import MemoryKvChunkStore
+from genai_service.engine.kv_integrity import TAG_BYTES, KvIntegrity
 from genai_service.engine.prefix_cache import KvLayers, chunk_keys, make_namespace
 from kvstore.blob import pack_kv
 from kvstore.client import KvStoreClient
@@ -27,7 +28,14 @@ from tests.server_harness import free_port
 
 WAIT_S = 10.0  # upper bound on any wait in these tests, never a speed assertion
 TOKEN = "test-data-plane-token"  # the data-plane token of KvStoreThread
-NAMESPACE = make_namespace("test-model", "float32", "L2.H2.D4.hnd", 4)
+# The replicas of these tests trust each other: one integrity secret.
+INTEGRITY = KvIntegrity(b"connector-tests-integrity-secret-0123")
+NAMESPACE = make_namespace("test-model", "float32", "L2.H2.D4.hnd", 4, key_id=INTEGRITY.key_id)
+
+
+def _sealed(key: bytes, layers: KvLayers, dtype: str = "float32") -> bytes:
+    """What a replica holding INTEGRITY stores under ``key``."""
+    return INTEGRITY.seal(key, pack_kv(layers, dtype))
 
 
 def _keys(n: int, first_token: int = 1) -> list[bytes]:
@@ -149,7 +157,12 @@ def connect() -> Iterator[ConnectorFactory]:
     made: list[GrpcKvChunkStore] = []
 
     def _connect(target: str, **kwargs: object) -> GrpcKvChunkStore:
-        settings: dict[str, object] = {"dtype": "float32", "timeout_s": 5.0, "auth_token": TOKEN}
+        settings: dict[str, object] = {
+            "dtype": "float32",
+            "timeout_s": 5.0,
+            "auth_token": TOKEN,
+            "integrity": INTEGRITY,
+        }
         settings.update(kwargs)
         store = GrpcKvChunkStore(target, **settings)  # type: ignore[arg-type]
         made.append(store)
@@ -186,7 +199,7 @@ def test_push_then_prefetch_is_byte_identical(
     stats = reader.stats()
     assert stats["hits_chunks"] == n
     assert stats["misses"] == 0
-    assert stats["fetched_bytes"] == sum(len(pack_kv(c, dtype)) for c in chunks)
+    assert stats["fetched_bytes"] == sum(len(pack_kv(c, dtype)) + TAG_BYTES for c in chunks)
     assert stats["errors"] == stats["timeouts"] == stats["checksum_failures"] == 0
 
 
@@ -218,9 +231,9 @@ def test_corrupt_blob_in_the_store_stops_the_chain(
     with KvStoreClient(
         kvstore.target, auth_token=TOKEN
     ) as raw:  # the store accepts it: it is opaque bytes
-        raw.put(keys[0], pack_kv(chunks[0], "float32"))
-        raw.put(keys[1], bytes(corrupt))
-        raw.put(keys[2], pack_kv(chunks[2], "float32"))
+        raw.put(keys[0], _sealed(keys[0], chunks[0]))
+        raw.put(keys[1], INTEGRITY.seal(keys[1], corrupt))  # rot before sealing: MAC passes
+        raw.put(keys[2], _sealed(keys[2], chunks[2]))
 
     store = connect(kvstore.target)
     _assert_same(_prefetch(store, keys), chunks[:1])
@@ -234,8 +247,8 @@ def test_chunk_of_another_dtype_is_a_miss(
 ) -> None:
     keys = _keys(2)
     with KvStoreClient(kvstore.target, auth_token=TOKEN) as raw:
-        raw.put(keys[0], pack_kv(_chunk(0), "float32"))
-        raw.put(keys[1], pack_kv(_chunk(1, "float16"), "float16"))
+        raw.put(keys[0], _sealed(keys[0], _chunk(0)))
+        raw.put(keys[1], _sealed(keys[1], _chunk(1, "float16"), "float16"))
     store = connect(kvstore.target)
     _assert_same(_prefetch(store, keys), [_chunk(0)])
     assert store.stats()["errors"] == 1
@@ -387,6 +400,29 @@ def test_records_put_get_replace_delete(kvstore: KvStoreThread, connect: Connect
         assert stats["errors"] == stats["timeouts"] == stats["records_dropped"] == 0
 
 
+def test_blobs_not_sealed_under_our_secret_are_counted_misses(
+    kvstore: KvStoreThread, connect: ConnectorFactory
+) -> None:
+    keys = _keys(1)
+    ours = connect(kvstore.target)
+    foreign = connect(kvstore.target, integrity=KvIntegrity.generate())  # another secret
+    foreign.push(keys[0], _chunk(0))
+    foreign.put_record(b"session:x", b"theirs")
+    ours.put_record(b"session:a", b"mine")
+    assert foreign.flush(WAIT_S) and ours.flush(WAIT_S)
+    assert _prefetch(ours, keys) == []
+    assert ours.get_record(b"session:x", timeout_s=2.0) is None
+    with KvStoreClient(
+        kvstore.target, auth_token=TOKEN
+    ) as raw:  # our own sealed record, replayed elsewhere
+        raw.put(b"session:b", raw.get(b"session:a") or b"")
+    assert ours.get_record(b"session:b", timeout_s=2.0) is None
+    assert ours.get_record(b"session:a", timeout_s=2.0) == b"mine"
+    stats = ours.stats()
+    assert stats["mac_failures"] == 3
+    assert stats["errors"] == stats["checksum_failures"] == stats["hits_chunks"] == 0
+
+
 def test_slow_record_get_returns_none(
     stalling_stub: StubFactory, connect: ConnectorFactory
 ) -> None:
@@ -423,10 +459,10 @@ def test_memory_store_corruption_delay_and_failure() -> None:
     for key, layers in zip(keys, chunks, strict=True):
         store.push(key, layers)
     blob = bytearray(store.blobs[keys[1]])
-    blob[30] ^= 1
+    blob[30] ^= 1  # after sealing: the MAC catches it before the payload checksum
     store.blobs[keys[1]] = bytes(blob)
     _assert_same(_prefetch(store, keys), chunks[:1])
-    assert store.stats()["checksum_failures"] == 1
+    assert store.stats()["mac_failures"] == 1
 
     store.delay_s = 0.05
     future = store.prefetch(keys[:1])
@@ -460,6 +496,18 @@ def test_memory_store_records() -> None:
     store.delete_record(b"session:a")
     assert store.get_record(b"session:a", timeout_s=0.1) is None
     assert store.flush(0.1)
+
+
+def test_memory_store_refuses_records_it_did_not_seal() -> None:
+    store = MemoryKvChunkStore()
+    store.put_record(b"session:a", b"v1")
+    store.blobs[b"session:b"] = store.blobs[b"session:a"]  # replayed under another key
+    store.blobs[b"session:c"] = KvIntegrity.generate().seal(b"session:c", b"forged")
+    store.blobs[b"session:d"] = b"not sealed at all"
+    for key in (b"session:b", b"session:c", b"session:d"):
+        assert store.get_record(key, timeout_s=0.1) is None
+    assert store.get_record(b"session:a", timeout_s=0.1) == b"v1"
+    assert store.stats()["mac_failures"] == 3
 
 
 @pytest.mark.parametrize("bad", [{"dtype": "int8"}, {"timeout_s": 0.0}])

@@ -212,7 +212,10 @@ def test_store_keys_follow_the_chunk_chain() -> None:
 def test_session_record_round_trip_and_rejections() -> None:
     sid = "0123456789abcdef" * 2
     assert is_session_id(sid) and not is_session_id(sid.upper()) and not is_session_id(sid + "0")
-    assert record_key(sid) == b"session:" + sid.encode()
+    # The key names neither the id (a bearer secret) nor the same entry under another secret.
+    key = record_key(sid, bytes(16))
+    assert key.startswith(b"session:") and sid.encode() not in key
+    assert key == record_key(sid, bytes(16)) != record_key(sid, bytes([1] * 16))
     session = Session(sid, 1.5, 2.5, 30.0, "alice", {"k": "v"}, [1, 2, 3], turns=2)
     data = session_record(session)
     back = session_from_record(sid, data, vocab_size=4)

@@ -22,6 +22,8 @@ from tests.tiny_model import encode_words, reference_greedy
 
 pytestmark = pytest.mark.e2e
 
+# Engines and servers that share KV through the kvstore trust each other: one secret.
+SECRET = b"kvstore-reuse-tests-shared-integrity-secret"
 PREFIX = encode_words("the cat sat on the mat and the dog sat in the box under a tree")  # 15
 PROMPT = PREFIX + encode_words("with a red hat ?")
 
@@ -41,7 +43,10 @@ def make_engine(model_dir: Path, target: str | None, runner: str = "auto", **kw)
             cache=CacheConfig(chunk_size=4),
             kvstore=(
                 KvStoreConfig(
-                    target, timeout_s=kw.pop("timeout_s", 2.0), auth_token=DATA_PLANE_TOKEN
+                    target,
+                    timeout_s=kw.pop("timeout_s", 2.0),
+                    auth_token=DATA_PLANE_TOKEN,
+                    integrity_key=kw.pop("integrity_key", SECRET),
                 )
                 if target
                 else None
@@ -239,7 +244,7 @@ def test_session_migrates_between_server_processes(
             engine=EngineConfig(
                 model_dir=str(long_context_model_dir),
                 cache=CacheConfig(chunk_size=4),
-                kvstore=kvstore.config(),
+                kvstore=kvstore.config(integrity_key=SECRET),
             ),
             port=free_port(),
         )

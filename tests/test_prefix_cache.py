@@ -11,7 +11,10 @@ from genai_service.engine.prefix_cache import (
     join_chunks,
     kv_nbytes,
     make_namespace,
+    scoped_namespace,
 )
+
+KEY_ID = bytes(range(16))
 
 
 def _h(b: bytes) -> bytes:
@@ -19,7 +22,7 @@ def _h(b: bytes) -> bytes:
 
 
 def test_chunk_keys_follow_the_design_chain() -> None:
-    ns = make_namespace("abc", "float32", "L2.H2.D8.hnd", 4)
+    ns = make_namespace("abc", "float32", "L2.H2.D8.hnd", 4, key_id=KEY_ID)
     ids = list(range(1, 11))  # two complete chunks of 4 and a partial one
     keys = chunk_keys(ns, ids, 4)
     k0 = _h(ns)
@@ -30,19 +33,38 @@ def test_chunk_keys_follow_the_design_chain() -> None:
 
 
 def test_equal_key_means_equal_prefix_and_namespaces_are_disjoint() -> None:
-    ns = make_namespace("m", "float32", "x", 2)
+    ns = make_namespace("m", "float32", "x", 2, key_id=KEY_ID)
     a = chunk_keys(ns, [1, 2, 3, 4], 2)
     b = chunk_keys(ns, [1, 2, 3, 5], 2)
     assert a[0] == b[0] and a[1] != b[1]
     c = chunk_keys(ns, [9, 2, 3, 4], 2)
     assert c[1] != a[1]  # same chunk tokens, different history
     for other in (
-        make_namespace("m2", "float32", "x", 2),
-        make_namespace("m", "float16", "x", 2),
-        make_namespace("m", "float32", "y", 2),
-        make_namespace("m", "float32", "x", 3),
+        make_namespace("m2", "float32", "x", 2, key_id=KEY_ID),
+        make_namespace("m", "float16", "x", 2, key_id=KEY_ID),
+        make_namespace("m", "float32", "y", 2, key_id=KEY_ID),
+        make_namespace("m", "float32", "x", 3, key_id=KEY_ID),
+        make_namespace("m", "float32", "x", 2, key_id=bytes(16)),  # another integrity secret
     ):
         assert chunk_keys(other, [1, 2, 3, 4], 2)[0] != a[0]
+
+
+def test_the_public_recipe_no_longer_gives_the_keys() -> None:
+    """Without the integrity key id, the model's public facts do not give the keys."""
+    public = "|".join(("genai-kv", "m", "float32", "x", "2", "v1")).encode()  # the old namespace
+    ns = make_namespace("m", "float32", "x", 2, key_id=KEY_ID)
+    assert chunk_keys(public, [1, 2], 2) != chunk_keys(ns, [1, 2], 2)
+
+
+def test_scopes_are_disjoint() -> None:
+    ns = make_namespace("m", "float32", "x", 2, key_id=KEY_ID)
+    assert scoped_namespace(ns, None, None) == ns  # global, no salt: the model's namespace
+    scopes = [
+        scoped_namespace(ns, principal, salt)
+        for principal in (None, "", "alice", "bob", "alice|salt=1:x")
+        for salt in (None, "x", "y")
+    ]
+    assert len({chunk_keys(s, [1, 2], 2)[0] for s in scopes}) == len(scopes)
 
 
 def test_chunk_keys_of_short_input_are_empty() -> None:

@@ -113,6 +113,8 @@ def test_valid_request_passes() -> None:
         ),
         (dict(top_logprobs=21), "top_logprobs: 21 is out of range; allowed [0, 20]"),
         (dict(top_logprobs=-1), "top_logprobs: -1 is out of range; allowed [0, 20]"),
+        (dict(cache_salt="s" * 257), "cache_salt: 257 characters; allowed 1 to 256"),
+        (dict(cache_salt=""), "cache_salt: 0 characters; allowed 1 to 256"),
     ],
 )
 def test_invalid_parameters(kw: dict, message: str) -> None:

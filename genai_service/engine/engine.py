@@ -369,7 +369,7 @@ class LLMEngine:
             if session.running_request_id is not None:
                 self.abort(session.running_request_id)  # closing cancels a running turn
             if self.remote is not None:
-                self.remote.delete_record(record_key(session_id))
+                self.remote.delete_record(self._record_key(session_id))
             return SessionTable.info(self.sessions.close(session_id))
 
         return self._with_session(session_id, principal, close)
@@ -573,7 +573,7 @@ class LLMEngine:
         if seq.session is not None and self.remote is not None and self.config.kvstore:
             # Answer only once the session record is visible to other replicas,
             # so the next turn may go to any of them.
-            key = record_key(seq.session.session_id)
+            key = self._record_key(seq.session.session_id)
             give_up = time.monotonic() + self.config.kvstore.record_wait_s
             self._held.append((key, give_up, final))
             return RequestOutput(seq.request_id, (token,), text, (lp,) if lp else ())
@@ -682,9 +682,13 @@ class LLMEngine:
         dropped = self.sessions.trim_parked_kv(self.config.sessions.max_parked_kv_bytes)
         self.counters["session_kv_evicted"] += dropped
 
+    def _record_key(self, session_id: str) -> bytes:
+        assert self.remote is not None  # records live in the kvstore
+        return record_key(session_id, self.remote.integrity.key_id)
+
     def _save_session(self, session: Session) -> None:
         if self.remote is not None:
-            self.remote.put_record(record_key(session.session_id), session_record(session))
+            self.remote.put_record(self._record_key(session.session_id), session_record(session))
 
     def _release_held(self) -> list[RequestOutput]:
         if not self._held:

@@ -10,9 +10,14 @@ is a miss: logged (rate-limited), counted, never raised.
 ``MemoryKvChunkStore`` (``kv_connector_memory``) keeps the same contract in a dict,
 for engine tests.
 
-Session records (small mutable blobs under ``session:<id>``) share the store.
+Session records (small mutable blobs under ``session:...``) share the store.
 A record is replaced by one Put with ``replace`` set (chunks never are),
 serialised per key on one worker; see ``KvChunkStore.put_record``.
+
+Every blob is sealed with a keyed MAC (``kv_integrity``) just before it goes
+on the wire and opened just after it comes off, so what the engine is handed
+was written by a replica holding the same secret; anything else is a miss,
+counted as ``mac_failures``.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from genai_service.credentials import channel_credentials
 from kvstore.blob import BlobError, ChecksumError, KvHeader, pack_kv, unpack_kv
 from kvstore.client import AsyncKvStoreClient
 
+from .kv_integrity import IntegrityError, KvIntegrity
 from .prefix_cache import KvLayers
 
 log = structlog.get_logger(__name__)
@@ -51,6 +57,7 @@ STAT_NAMES = (
     "errors",  # RPC failures, malformed blobs, unexpected exceptions
     "timeouts",  # operations that ran past timeout_s
     "checksum_failures",  # blobs whose checksum did not match their bytes
+    "mac_failures",  # blobs not sealed under our integrity secret (forged, foreign, replayed)
 )
 _KV_DTYPES = ("float32", "float16", "bfloat16")
 _CLOSE_TIMEOUT_S = 5.0
@@ -86,13 +93,17 @@ def _resolve(future: Future[Any], result: Any) -> None:
 class KvChunkStore(ABC):
     """Seam (STYLE rule 4): where complete KV chunks live outside the process.
 
-    Contract: every failure (network error, timeout, checksum mismatch,
-    malformed blob) is a MISS, logged as a warning and counted in ``stats()``,
-    never an exception to the caller. Nothing the engine loop calls waits on
-    the network: fetches return futures (only ``get_record``, for tests and
-    tools, blocks). Layers handed out are read-only arrays, each
+    Contract: every failure (network error, timeout, checksum mismatch, a MAC
+    that does not verify, malformed blob) is a MISS, logged as a warning and
+    counted in ``stats()``, never an exception to the caller. ``integrity``
+    seals everything written and opens everything read (callers see plain
+    payloads and records). Nothing the engine loop calls waits on the network:
+    fetches return futures (only ``get_record``, for tests and tools, blocks).
+    Layers handed out are read-only arrays, each
     ``[kv_heads, chunk_tokens, head_dim]``.
     """
+
+    integrity: KvIntegrity  # its key_id scopes chunk namespaces and record keys
 
     @abstractmethod
     def prefetch(self, keys: Sequence[bytes]) -> Future[list[KvLayers]]:
@@ -169,11 +180,13 @@ class KvChunkStore(ABC):
 class _CountingStore(KvChunkStore):
     """Counters, rate-limited warnings and chunk checks shared by the implementations."""
 
-    def __init__(self, dtype: object, timeout_s: float) -> None:
+    def __init__(self, dtype: object, timeout_s: float, integrity: KvIntegrity | None) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.dtype = _dtype_name(dtype)
         self.timeout_s = timeout_s
+        # None: a random secret, so only what this instance wrote is trusted.
+        self.integrity = integrity or KvIntegrity.generate()
         self._stats_lock = threading.Lock()
         self._counters = dict.fromkeys(STAT_NAMES, 0)
         self._warned: dict[str, tuple[float, int]] = {}
@@ -199,6 +212,8 @@ class _CountingStore(KvChunkStore):
         code = rpc.code() if rpc is not None else None  # type: ignore[attr-defined]
         if isinstance(exc, TimeoutError) or code == grpc.StatusCode.DEADLINE_EXCEEDED:
             kind = "timeouts"
+        elif isinstance(exc, IntegrityError):
+            kind = "mac_failures"
         elif isinstance(exc, ChecksumError) or code == grpc.StatusCode.DATA_LOSS:
             kind = "checksum_failures"
         else:
@@ -213,12 +228,20 @@ class _CountingStore(KvChunkStore):
             key=_key_label(key),
         )
 
+    def _pack(self, key: bytes, layers: KvLayers) -> bytes:
+        """A chunk as the sealed blob to store under ``key``."""
+        return self.integrity.seal(key, pack_kv(layers, self.dtype))
+
+    def _open_record(self, key: bytes, sealed: bytes | None) -> bytes | None:
+        """A record read from the store; raises ``IntegrityError`` if it is not ours."""
+        return None if sealed is None else bytes(self.integrity.open(key, sealed))
+
     def _check_chunk(
         self, key: bytes, blob: bytes, first: KvHeader | None
     ) -> tuple[KvHeader, KvLayers] | None:
-        """Unpack and verify one chunk of a chain; None (counted) when it is unusable."""
+        """Open, unpack and verify one chunk of a chain; None (counted) when it is unusable."""
         try:
-            header, layers = unpack_kv(blob)
+            header, layers = unpack_kv(self.integrity.open(key, blob))
             if header.dtype != self.dtype:
                 raise BlobError(f"KV payload dtype is {header.dtype}, expected {self.dtype}")
             if first is not None and (header.num_layers, header.layer_shape) != (
@@ -229,7 +252,7 @@ class _CountingStore(KvChunkStore):
                     f"KV payload is {header.num_layers} x {header.layer_shape}, the chain's "
                     f"first chunk is {first.num_layers} x {first.layer_shape}"
                 )
-        except BlobError as exc:  # ChecksumError included
+        except (BlobError, IntegrityError) as exc:  # ChecksumError included
             self._failed("chunk check", exc, key)
             return None
         return header, layers
@@ -256,7 +279,8 @@ class GrpcKvChunkStore(_CountingStore):
     pushes (and, separately, keys with pending record writes); ``workers`` is
     how many pushes run at once and the size of the pack/verify thread pool;
     ``fetch_concurrency`` how many Gets one prefetch keeps in flight;
-    ``recent_keys`` how many pushed or fetched keys are remembered as present.
+    ``recent_keys`` how many pushed or fetched keys are remembered as present;
+    ``integrity`` seals and opens blobs (None: a random secret).
     """
 
     def __init__(
@@ -273,8 +297,9 @@ class GrpcKvChunkStore(_CountingStore):
         workers: int = 2,
         fetch_concurrency: int = 8,
         recent_keys: int = 65536,
+        integrity: KvIntegrity | None = None,
     ) -> None:
-        super().__init__(dtype, timeout_s)
+        super().__init__(dtype, timeout_s, integrity)
         for name, value in (
             ("max_pending_pushes", max_pending_pushes),
             ("workers", workers),
@@ -498,8 +523,8 @@ class GrpcKvChunkStore(_CountingStore):
         data: bytes | None = None
         try:
             async with asyncio.timeout(timeout_s):
-                data = await self._record_client.get(key, timeout_s=timeout_s)
-        except Exception as exc:  # TimeoutError, AioRpcError, a bad blob: a miss
+                data = await self._get_record(key, timeout_s)
+        except Exception as exc:  # TimeoutError, AioRpcError, a bad blob or MAC: a miss
             self._failed("record get", exc, key)
         finally:
             with self._lock:
@@ -557,7 +582,7 @@ class GrpcKvChunkStore(_CountingStore):
                 if await self._chunk_client.lookup([key]):
                     stored = False
                 else:
-                    blob = await self._loop.run_in_executor(self._cpu, pack_kv, layers, self.dtype)
+                    blob = await self._loop.run_in_executor(self._cpu, self._pack, key, layers)
                     stored = not (await self._chunk_client.put(key, blob)).already_present
         except Exception as exc:
             self._failed("push", exc, key)
@@ -582,9 +607,13 @@ class GrpcKvChunkStore(_CountingStore):
                     else:  # a newer write came in meanwhile: write that one too
                         self._record_queue.put_nowait(key)
 
+    async def _get_record(self, key: bytes, timeout_s: float) -> bytes | None:
+        return self._open_record(key, await self._record_client.get(key, timeout_s=timeout_s))
+
     async def _replace_record(self, key: bytes, data: bytes | None) -> None:
         async with asyncio.timeout(self.timeout_s):
             if data is None:
                 await self._record_client.delete(key)
             else:
-                await self._record_client.put(key, data, replace=True)
+                sealed = self.integrity.seal(key, data)
+                await self._record_client.put(key, sealed, replace=True)

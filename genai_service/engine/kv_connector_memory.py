@@ -1,7 +1,7 @@
 """``MemoryKvChunkStore``: the in-process ``KvChunkStore`` for engine tests and dev.
 
 Same contract as ``GrpcKvChunkStore`` (``kv_connector``), kept in a dict with
-no network; it shares the counters, warnings and chunk checks of
+no network; it shares the counters, warnings, sealing and chunk checks of
 ``kv_connector._CountingStore``.
 """
 
@@ -12,9 +12,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from kvstore.blob import KvHeader, pack_kv
+from kvstore.blob import KvHeader
 
 from .kv_connector import _CountingStore, _resolve
+from .kv_integrity import IntegrityError, KvIntegrity
 from .prefix_cache import KvLayers
 
 T = TypeVar("T")
@@ -23,10 +24,10 @@ T = TypeVar("T")
 class MemoryKvChunkStore(_CountingStore):
     """``KvChunkStore`` in a dict, for engine tests; same contract, no network.
 
-    Chunks are stored packed (``blobs``, shared with records as in the real
-    store), so tests can corrupt them. Knobs, changeable at any time:
-    ``delay_s`` makes prefetch and fetch_record resolve that much later on a
-    timer thread; a delay of ``timeout_s`` or more is a timeout.
+    Chunks are stored packed and sealed (``blobs``, shared with records as in
+    the real store), so tests can corrupt or forge them. Knobs, changeable at
+    any time: ``delay_s`` makes prefetch and fetch_record resolve that much
+    later on a timer thread; a delay of ``timeout_s`` or more is a timeout.
     ``fail`` makes every operation fail (counted as an error).
     """
 
@@ -37,8 +38,9 @@ class MemoryKvChunkStore(_CountingStore):
         timeout_s: float = 2.0,
         delay_s: float = 0.0,
         fail: bool = False,
+        integrity: KvIntegrity | None = None,
     ) -> None:
-        super().__init__(dtype, timeout_s)
+        super().__init__(dtype, timeout_s, integrity)
         self.delay_s = delay_s
         self.fail = fail
         self.blobs: dict[bytes, bytes] = {}
@@ -114,7 +116,7 @@ class MemoryKvChunkStore(_CountingStore):
         if present:
             self._count("push_skipped")
             return
-        blob = pack_kv(layers, self.dtype)
+        blob = self._pack(key, layers)
         with self._lock:
             self.blobs.setdefault(key, blob)
         self._count("pushed_chunks")
@@ -128,15 +130,21 @@ class MemoryKvChunkStore(_CountingStore):
                 self._failed("record get", error, key)
                 return None
             with self._lock:
-                return self.blobs.get(key)
+                sealed = self.blobs.get(key)
+            try:
+                return self._open_record(key, sealed)
+            except IntegrityError as exc:
+                self._failed("record get", exc, key)
+                return None
 
         return self._later(min(delay_s, timeout_s), read, None)
 
     def put_record(self, key: bytes, data: bytes) -> None:
         if self._refused("record write", key):
             return
+        sealed = self.integrity.seal(key, data)
         with self._lock:
-            self.blobs[key] = bytes(data)
+            self.blobs[key] = sealed
 
     def delete_record(self, key: bytes) -> None:
         if self._refused("record write", key):

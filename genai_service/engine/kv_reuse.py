@@ -10,6 +10,11 @@ of recomputing it. Chunks the local index lacks are prefetched from the
 kvstore in the background as soon as a request arrives; the scheduler admits
 it once they have come (or not).
 
+Each sequence's keys chain from its own namespace (``namespace_of``): the
+model's, plus its prefix-sharing scope (the principal under scope
+"principal"; a session turn uses its owner's) and its ``cache_salt``, so
+requests in different scopes never reuse each other's KV.
+
 Plain Python + numpy; never imports onnxruntime: the runner is used only
 through ``kv_len``/``read_kv``/``write_kv``.
 """
@@ -20,7 +25,8 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from .kv_connector import GrpcKvChunkStore, KvChunkStore
-from .prefix_cache import PrefixIndex, chunk_keys, make_namespace
+from .kv_integrity import KvIntegrity
+from .prefix_cache import PrefixIndex, chunk_keys, make_namespace, scoped_namespace
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
@@ -46,9 +52,11 @@ class KvReuse:
         prefix_cache_bytes: int,
         remote: KvChunkStore | None = None,
         counters: Counter[str] | None = None,
+        scope: str = "global",
     ) -> None:
         self.runner = runner
-        self.namespace = namespace
+        self.namespace = namespace  # the model's; each sequence's is ``namespace_of``
+        self.scope = scope  # CacheConfig.prefix_cache_scope
         self.chunk_size = chunk_size
         self.prefix_index = PrefixIndex(prefix_cache_bytes)
         self.remote = remote
@@ -68,8 +76,9 @@ class KvReuse:
         counters: Counter[str],
         chunk_store: KvChunkStore | None = None,
     ) -> KvReuse:
-        """The namespace from the model and its KV layout; the kvstore connector
-        from ``config.kvstore`` unless ``chunk_store`` overrides it."""
+        """The namespace from the model, its KV layout and the kvstore's integrity
+        key; the kvstore connector from ``config.kvstore`` unless ``chunk_store``
+        overrides it."""
         kv = spec.kv
         remote = chunk_store
         if remote is None and config.kvstore is not None:
@@ -81,15 +90,34 @@ class KvReuse:
                 tls_ca_file=config.kvstore.tls_ca_file,
                 tls_cert_file=config.kvstore.tls_cert_file,
                 tls_key_file=config.kvstore.tls_key_file,
+                integrity=KvIntegrity(config.kvstore.integrity_key),
             )
-        chunk_size = config.cache.chunk_size
+        cache = config.cache
         namespace = make_namespace(
             spec.fingerprint,
             kv.dtype,
             f"L{kv.num_layers}.H{kv.num_kv_heads}.D{kv.head_dim}.hnd",
-            chunk_size,
+            cache.chunk_size,
+            key_id=remote.integrity.key_id if remote is not None else b"",  # b"": in-process only
         )
-        return cls(runner, namespace, chunk_size, config.cache.prefix_cache_bytes, remote, counters)
+        return cls(
+            runner,
+            namespace,
+            cache.chunk_size,
+            cache.prefix_cache_bytes,
+            remote,
+            counters,
+            cache.prefix_cache_scope,
+        )
+
+    def namespace_of(self, seq: Sequence) -> bytes:
+        """The namespace of ``seq``'s chunk keys: the model's, scoped by who may
+        share its prefixes (a session turn: the session's owner) and its salt."""
+        request = seq.request
+        principal = None
+        if self.scope == "principal":
+            principal = seq.session.owner if seq.session is not None else request.principal
+        return scoped_namespace(self.namespace, principal, request.cache_salt)
 
     def track(self, seq: Sequence) -> None:
         """``seq``'s prompt is computed: share its chunks when it finishes
@@ -150,7 +178,7 @@ class KvReuse:
             return 0
         n_chunks = self._kv_len(seq) // self.chunk_size
         keys = chunk_keys(
-            self.namespace, seq.token_ids[: n_chunks * self.chunk_size], self.chunk_size
+            self.namespace_of(seq), seq.token_ids[: n_chunks * self.chunk_size], self.chunk_size
         )
         copied = 0
         for i in range(seq.stored_chunks, n_chunks):
@@ -192,7 +220,7 @@ class KvReuse:
         own arrays, shared rather than copied (nothing writes to them); the rest
         is copied out of the runner, each run of missing chunks in one piece."""
         size = self.chunk_size
-        keys = chunk_keys(self.namespace, seq.token_ids[: n - n % size], size)
+        keys = chunk_keys(self.namespace_of(seq), seq.token_ids[: n - n % size], size)
         chunks: list[KvLayers] = []
         start = 0  # first token not yet in ``chunks``
         for i, key in enumerate(keys):
@@ -219,15 +247,17 @@ class KvReuse:
         for other in list(self._unshared):
             if self._kv_len(other) < (i + 1) * size or other.stored_chunks > i:
                 continue
-            # Keys chain over the whole prefix: equal i-th keys, equal prefixes.
-            if chunk_keys(self.namespace, other.token_ids[: (i + 1) * size], size)[i] == keys[i]:
+            # Keys chain over the whole prefix and scope: equal i-th keys, equal
+            # prefixes in the same scope.
+            namespace = self.namespace_of(other)
+            if chunk_keys(namespace, other.token_ids[: (i + 1) * size], size)[i] == keys[i]:
                 self.store(other)
                 i = self._local_run(keys)
                 if i == len(keys):
                     return
 
     def _prompt_keys(self, seq: Sequence) -> list[bytes]:
-        return chunk_keys(self.namespace, seq.token_ids[: seq.prompt_len], self.chunk_size)
+        return chunk_keys(self.namespace_of(seq), seq.token_ids[: seq.prompt_len], self.chunk_size)
 
     def _write(self, seq: Sequence, chunks: list[KvLayers]) -> int:
         """Write reused chunks as the sequence's KV, but never the whole prompt:

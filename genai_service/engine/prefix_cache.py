@@ -1,10 +1,16 @@
-"""Chunk keys (DESIGN §4) and the in-process prefix index.
+"""Chunk keys (docs/design.md, "KV chunks and integrity") and the in-process prefix index.
 
 A prompt is cut into complete chunks of ``chunk_size`` tokens; chunk ``i``
 gets the key ``k_i = H(k_{i-1} ‖ tokens of chunk i as little-endian uint32)``
 with ``k_0 = H(namespace)`` and ``H = blake2b(digest_size=16)``. Equal keys
 mean equal whole prefixes, so the index can hand a new request the KV of the
 longest run of leading chunks it has seen before.
+
+The namespace is the model fingerprint, KV dtype, layout, chunk size, key
+format version and the integrity key id (``kv_integrity``: a secret-derived
+value, so only replicas sharing the secret can compute the keys); a request's
+own namespace adds its prefix-sharing scope (``scoped_namespace``: the
+principal and/or ``cache_salt``), so requests in different scopes never share.
 
 Plain Python + numpy; never imports onnxruntime.
 """
@@ -18,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-KEY_FORMAT_VERSION = 1
+KEY_FORMAT_VERSION = 2  # 2: the integrity key id and the request scope joined the namespace
 
 # Per layer (K, V), each [kv_heads, num_tokens, head_dim].
 KvLayers = list[tuple[np.ndarray, np.ndarray]]
@@ -28,12 +34,25 @@ def _h(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
-def make_namespace(fingerprint: str, kv_dtype: str, layout: str, chunk_size: int) -> bytes:
-    """The bytes hashed into ``k_0``: any change of model, dtype, layout or
-    chunk size gives a disjoint key space."""
-    return "|".join(
-        ("genai-kv", fingerprint, kv_dtype, layout, str(chunk_size), f"v{KEY_FORMAT_VERSION}")
-    ).encode()
+def make_namespace(
+    fingerprint: str, kv_dtype: str, layout: str, chunk_size: int, *, key_id: bytes
+) -> bytes:
+    """The bytes hashed into ``k_0``: any change of model, dtype, layout, chunk
+    size or integrity key (``key_id``, ``KvIntegrity.key_id``) gives a disjoint
+    key space."""
+    fields = (fingerprint, kv_dtype, layout, str(chunk_size), f"v{KEY_FORMAT_VERSION}")
+    return "|".join(("genai-kv", *fields, key_id.hex())).encode()
+
+
+def scoped_namespace(namespace: bytes, principal: str | None, cache_salt: str | None) -> bytes:
+    """A request's namespace: ``namespace`` plus who may share its prefixes.
+    ``principal`` is None for global sharing; ``cache_salt`` None for none.
+    Each part is length-prefixed, so no two scopes give the same bytes."""
+    for tag, value in ((b"principal", principal), (b"salt", cache_salt)):
+        if value is not None:
+            raw = value.encode()
+            namespace += b"|%s=%d:%s" % (tag, len(raw), raw)
+    return namespace
 
 
 def chunk_keys(namespace: bytes, token_ids: Sequence[int], chunk_size: int) -> list[bytes]:

@@ -80,6 +80,8 @@ class GenerationRequest:
     session_id: str | None = None
     skip_special_tokens: bool = True
     principal: str = ""  # who asked (authenticated caller); owns the sessions it creates
+    # Only requests with the same salt (and scope) share reused prefixes; None: no salt.
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)

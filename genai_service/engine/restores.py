@@ -106,7 +106,12 @@ class SessionRestores:
         good, is in the table."""
         entry = self._fetches.get(session_id)
         if entry is None:
-            entry = (self.remote.fetch_record(record_key(session_id), self.timeout_s), [])
+            entry = (
+                self.remote.fetch_record(
+                    record_key(session_id, self.remote.integrity.key_id), self.timeout_s
+                ),
+                [],
+            )
             self._fetches[session_id] = entry
         entry[1].append(resume)
 

@@ -6,9 +6,10 @@ the new tokens. Plain Python; the KV is an opaque object the engine gets from
 and gives back to the model runner.
 
 With a kvstore, each session is also persisted as a small JSON record (under
-``record_key``) so that an evicted session, or one created on another
-replica, can be restored from it. The table never fetches records itself:
-the engine does, off its loop, and hands what arrives to ``adopt``.
+``record_key``, sealed by the connector like every blob) so that an evicted
+session, or one created on another replica sharing the integrity secret, can
+be restored from it. The table never fetches records itself: the engine does,
+off its loop, and hands what arrives to ``adopt``.
 
 Metadata and listings are bounded (docs/design.md "Sessions"):
 ``check_metadata`` before a session is created, ``SessionTable.page`` for
@@ -20,6 +21,7 @@ from __future__ import annotations
 import base64
 import binascii
 import builtins
+import hashlib
 import json
 import re
 import secrets
@@ -393,9 +395,12 @@ def is_session_id(session_id: str) -> bool:
     return _SESSION_ID.fullmatch(session_id) is not None
 
 
-def record_key(session_id: str) -> bytes:
-    """The kvstore key of a session's record."""
-    return b"session:" + session_id.encode()
+def record_key(session_id: str, key_id: bytes) -> bytes:
+    """The kvstore key of a session's record: ``session:`` and a digest of the
+    id keyed by the integrity key id (``KvIntegrity.key_id``), so replicas with
+    another secret never see it and the store never holds the id (a bearer secret)."""
+    digest = hashlib.blake2b(session_id.encode(), key=key_id, digest_size=16).hexdigest()
+    return b"session:" + digest.encode()
 
 
 def session_record(session: Session) -> bytes:

@@ -116,3 +116,8 @@ def validate_request(
         _Range(f"stopping.stop_token_ids[{i}]", 0, vocab_size - 1).check(tok)
     _Range("stopping.time_limit_ms", 1, limits.max_time_limit_ms).check(stopping.time_limit_ms)
     _Range("top_logprobs", 0, limits.max_top_logprobs).check(request.top_logprobs)
+    salt = request.cache_salt
+    if salt is not None and not 1 <= len(salt) <= limits.max_cache_salt_chars:
+        raise InvalidArgument(
+            f"cache_salt: {len(salt)} characters; allowed 1 to {limits.max_cache_salt_chars}"
+        )

@@ -132,6 +132,7 @@ def generation_request(
         skip_special_tokens=(
             request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         ),
+        cache_salt=_opt(request, "cache_salt"),  # type: ignore[arg-type]
     )
 
 
