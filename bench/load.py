@@ -10,9 +10,10 @@ of a fixed set of greedy and seeded requests in a quiet run (one request at a
 time), then runs ``--workers`` threads for ``--duration-s`` seconds, each
 picking at random among: unary ``Generate``, ``GenerateStream``, ``GenerateBidi``
 (several requests on one call, one of them cancelled), session turns (create,
-a few turns, close), client cancellations, short deadlines and invalid
-requests. Every completed response is compared with the quiet run's tokens; a
-response cut short by its own cancel or deadline must be a prefix of them.
+a few turns, close), client cancellations, short deadlines, invalid requests
+and random prompts (fuzz). Every completed greedy or seeded response is
+compared with the quiet run's tokens; a response cut short by its own cancel
+or deadline must be a prefix of them.
 
 Prints requests by kind and RPC, outcomes by status code, INTERNAL/UNKNOWN,
 token mismatches, p50/p99 latency per RPC and the RSS of frontend, engine and
@@ -35,6 +36,7 @@ import statistics
 import sys
 import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -49,15 +51,16 @@ from genai_client.errors import GenAIClientError, from_rpc_error
 from genai_service._proto.genai.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 from .ours import ServerProcess
-from .procs import MB, REPO, machine_info, versions
+from .procs import MB, REPO, free_port, machine_info, versions
 
 KVSTORE_TOKEN_ENV = "GENAI_KVSTORE_AUTH_TOKEN"
 RESULTS = REPO / "bench" / "results"
-KINDS = ("unary", "stream", "bidi", "session", "cancel", "deadline", "invalid")
-DEFAULT_MIX = "unary=3,stream=3,bidi=2,session=2,cancel=2,deadline=2,invalid=1"
+KINDS = ("unary", "stream", "bidi", "session", "cancel", "deadline", "invalid", "random")
+DEFAULT_MIX = "unary=3,stream=3,bidi=2,session=2,cancel=2,deadline=2,invalid=1,random=1"
 CALL_TIMEOUT_S = 120.0  # bounds every call, so a hang ends the run instead of stalling it
 CUT_SHORT = frozenset({"CANCELLED", "TIME_LIMIT"})
 FAILING = frozenset({"INTERNAL", "UNKNOWN"})
+RANDOM_MAX_PROMPT = 600  # tokens: a few KV chunks at the default --kv-chunk-size
 MAX_DETAILS = 20  # mismatches / unexpected codes kept in full in the JSON
 
 
@@ -272,6 +275,7 @@ class Worker:
             "cancel": self.cancel,
             "deadline": self.deadline,
             "invalid": self.invalid,
+            "random": self.random,
         }
 
     def close(self) -> None:
@@ -465,6 +469,24 @@ class Worker:
         want, rpc, fn = self.rng.choice(bad)
         self._timed("invalid", rpc, frozenset({want}), fn)
 
+    def random(self) -> None:
+        """Fuzz: random ids, prompt length, output length and sampling (status
+        checked, tokens not); what fills the prefix cache with new chunks."""
+        rng = self.rng
+        n = rng.randint(1, max(1, min(RANDOM_MAX_PROMPT, self.context_length // 2)))
+        options: dict[str, Any] = {
+            "token_ids": [rng.randrange(self.vocab_size) for _ in range(n)],
+            "max_new_tokens": rng.randint(1, max(1, min(16, self.context_length - n))),
+        }
+        if rng.random() < 0.5:
+            options |= {"temperature": rng.uniform(0.1, 1.5), "top_k": rng.randint(0, 50)}
+        if rng.random() < 0.5:
+            self._timed("random", "Generate", OK, lambda: self.client.generate(**options))
+        else:
+            self._timed(
+                "random", "GenerateStream", OK, lambda: self.client.stream(**options).collect()
+            )
+
 
 def parse_mix(text: str) -> dict[str, float]:
     mix: dict[str, float] = {}
@@ -536,6 +558,26 @@ class Pids:
             "engine": round(vm_rss(self.engine) / MB, 1),
             "kvstore": round(vm_rss(self.kvstore) / MB, 1),
         }
+
+
+# Engine gauges next to each RSS sample: what the bounded caches hold.
+ENGINE_GAUGES = ("prefix_cache_bytes", "prefix_cache_entries", "sessions", "kvstore_puts")
+
+
+def engine_gauges(metrics_url: str) -> dict[str, float]:
+    """The engine's gauges from the server's ``/metrics`` (polled every ~2 s)."""
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=5) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return {}
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        key = name.removeprefix("genai_engine_")
+        if key in ENGINE_GAUGES:
+            found[key] = float(value)
+    return found
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -653,12 +695,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         kvstore.start()
         assert kvstore.proc is not None
+        metrics_port = free_port()
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         server = ServerProcess(
             args.model,
             args.threads,
             start_timeout_s=args.start_timeout_s,
-            extra_args=["--kvstore", kvstore.target, *server_args],
-        )
+            extra_args=[
+                "--kvstore", kvstore.target, "--metrics-port", str(metrics_port), *server_args
+            ],
+        )  # fmt: skip
         pids = Pids(server.proc.pid, engine_pid(server.proc.pid), kvstore.proc.pid)
         rss_boot = pids.rss_mb()
         with Client(server.target, timeout=CALL_TIMEOUT_S) as client:
@@ -683,7 +729,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for i in range(args.workers)
         ]
         rss_start = pids.rss_mb()
-        samples = [{"t_s": 0.0, "requests": 0, **rss_start}]
+        samples = [{"t_s": 0.0, "requests": 0, **rss_start, **engine_gauges(metrics_url)}]
         started = time.monotonic()
         end = started + args.duration_s
         threads = [
@@ -705,11 +751,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             if time.monotonic() >= next_sample:
                 next_sample += args.rss_interval_s
                 elapsed = round(time.monotonic() - started, 1)
-                samples.append({"t_s": elapsed, "requests": ledger.total(), **pids.rss_mb()})
+                samples.append(
+                    {
+                        "t_s": elapsed,
+                        "requests": ledger.total(),
+                        **pids.rss_mb(),
+                        **engine_gauges(metrics_url),
+                    }
+                )
         hung = [t.name for t in threads if t.is_alive()]
         elapsed = time.monotonic() - started
         rss_end = pids.rss_mb()
-        samples.append({"t_s": round(elapsed, 1), "requests": ledger.total(), **rss_end})
+        samples.append(
+            {
+                "t_s": round(elapsed, 1),
+                "requests": ledger.total(),
+                **rss_end,
+                **engine_gauges(metrics_url),
+            }
+        )
         s = summary(ledger)
         passed = (
             not hung
