@@ -69,7 +69,7 @@ bench: setup $(BENCH_STAMP)
 # A bounded soak (loopback, fixed duration): kvstore + server, mixed unary/stream/
 # bidi/session requests with cancels and deadlines, tokens checked against a quiet
 # run; JSON under bench/results/. make load ARGS="--duration-s 60 --model DIR"
-load: setup $(BENCH_STAMP)
+load: setup
 	$(PY) -m bench.load $(ARGS)
 
 clean:
