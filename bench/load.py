@@ -561,7 +561,16 @@ class Pids:
 
 
 # Engine gauges next to each RSS sample: what the bounded caches hold.
-ENGINE_GAUGES = ("prefix_cache_bytes", "prefix_cache_entries", "sessions", "kvstore_puts")
+# The kvstore counters show the data plane was really used (an unauthenticated
+# connector would only count errors).
+ENGINE_GAUGES = (
+    "prefix_cache_bytes",
+    "prefix_cache_entries",
+    "sessions",
+    "kvstore_pushed_chunks",
+    "kvstore_errors",
+    "kvstore_mac_failures",
+)
 
 
 def engine_gauges(metrics_url: str) -> dict[str, float]:
@@ -687,8 +696,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # The data-plane token both children read (the kvstore requires it, the
     # server's connector sends it); children inherit this process's environment.
-    os.environ[KVSTORE_TOKEN_ENV] = secrets.token_urlsafe(32)
-    kvstore = KvStoreProcess("--memory-bytes", args.kvstore_memory_bytes)
+    token = os.environ[KVSTORE_TOKEN_ENV] = secrets.token_urlsafe(32)
+    kvstore = KvStoreProcess("--memory-bytes", args.kvstore_memory_bytes, token=token)
     server: ServerProcess | None = None
     workers: list[Worker] = []
     stop = threading.Event()

@@ -69,6 +69,8 @@ def test_load_run_on_a_tiny_model(tiny_model_dir: Path, tmp_path: Path) -> None:
             "1",
             "--out",
             str(out),
+            "--kv-chunk-size",  # a genai-server flag: chunks short prompts fill
+            "16",
         ],  # fmt: skip
         cwd=REPO,
         capture_output=True,
@@ -91,4 +93,8 @@ def test_load_run_on_a_tiny_model(tiny_model_dir: Path, tmp_path: Path) -> None:
     for when in ("boot", "start", "end"):
         assert all(mb > 0 for mb in report["rss_mb"][when].values()), report["rss_mb"]
     assert len(report["rss_samples"]) >= 3
+    # The server reached its kvstore with the token the tool gave both of them.
+    last = report["rss_samples"][-1]
+    assert last["kvstore_pushed_chunks"] > 0
+    assert last["kvstore_errors"] == 0 and last["kvstore_mac_failures"] == 0
     assert report["passed"] is True
