@@ -116,7 +116,32 @@ def test_forged_chunks_are_never_reused(tiny_model_dir: Path, kvstore: KvStorePr
     assert list(result.token_ids) == cold
     assert result.usage.cached_tokens == 0
     assert victim.stats()["kvstore_mac_failures"] >= 1  # the real keys' forgeries, refused
-    victim.close()
+    victim.close()  # its pushes have gone out
+
+
+def test_a_forged_chunk_is_replaced_by_the_next_push(
+    tiny_model_dir: Path, kvstore: KvStoreProcess
+) -> None:
+    """A forgery under a real key costs one recompute, not a miss forever: the
+    chunk that failed its check is pushed again with replace (a plain push
+    skips a key the store already holds)."""
+    secret = b"healing-" + SECRET_A
+    cold = reference_greedy(tiny_model_dir, PROMPT, 6)
+    first = engine(tiny_model_dir, kvstore.target, secret=secret)
+    (key, *_) = chunk_keys(first.namespace, PROMPT, CHUNK)
+    with KvStoreClient(kvstore.target, auth_token=DATA_PLANE_TOKEN) as raw:
+        raw.put(key, KvIntegrity.generate().seal(key, forged_chunk(first, 7)), replace=True)
+    r1 = first.generate(greedy("first", PROMPT))
+    assert list(r1.token_ids) == cold and r1.usage.cached_tokens == 0
+    assert first.stats()["kvstore_mac_failures"] == 1
+    first.close()
+
+    second = engine(tiny_model_dir, kvstore.target, secret=secret)  # empty memory
+    r2 = second.generate(greedy("second", PROMPT))
+    assert list(r2.token_ids) == cold
+    assert r2.usage.cached_tokens == REUSABLE  # the genuine chunks, from the store
+    assert second.stats()["kvstore_mac_failures"] == 0
+    second.close()
 
 
 def test_a_rewritten_session_record_is_not_a_takeover(

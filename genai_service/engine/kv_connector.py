@@ -254,8 +254,13 @@ class _CountingStore(KvChunkStore):
                 )
         except (BlobError, IntegrityError) as exc:  # ChecksumError included
             self._failed("chunk check", exc, key)
+            self._unusable(key)
             return None
         return header, layers
+
+    def _unusable(self, key: bytes) -> None:
+        """The blob stored under ``key`` failed its check (a forgery, rot, or
+        another layout): the next push of ``key`` replaces it."""
 
     def _finish_prefetch(self, wanted: int, got: int) -> None:
         with self._stats_lock:
@@ -322,6 +327,9 @@ class GrpcKvChunkStore(_CountingStore):
         self._idle = threading.Condition(self._lock)
         self._closed = False
         self._recent: OrderedDict[bytes, None] = OrderedDict()  # keys known to be in the store
+        # Keys whose stored blob failed its check: pushed with replace, so a
+        # forged or rotten chunk costs one recompute, not a miss forever.
+        self._unusable_keys: OrderedDict[bytes, None] = OrderedDict()
         self._inflight: set[bytes] = set()  # keys queued or being pushed
         self._pending_pushes = 0
         self._records: dict[bytes, tuple[int, bytes | None]] = {}  # newest pending write per key
@@ -498,8 +506,17 @@ class GrpcKvChunkStore(_CountingStore):
             for key in keys:
                 self._recent[key] = None
                 self._recent.move_to_end(key)
+                self._unusable_keys.pop(key, None)
             while len(self._recent) > self._recent_limit:
                 self._recent.popitem(last=False)
+
+    def _unusable(self, key: bytes) -> None:
+        with self._lock:
+            self._recent.pop(key, None)
+            self._unusable_keys[key] = None
+            self._unusable_keys.move_to_end(key)
+            while len(self._unusable_keys) > self._recent_limit:
+                self._unusable_keys.popitem(last=False)
 
     async def _prefetch(self, keys: list[bytes], future: Future[list[KvLayers]]) -> None:
         out: list[KvLayers] = []  # the leading run, filled in place so a timeout keeps it
@@ -578,12 +595,15 @@ class GrpcKvChunkStore(_CountingStore):
 
     async def _push(self, key: bytes, layers: KvLayers) -> None:
         try:
+            with self._lock:
+                replace = key in self._unusable_keys
             async with asyncio.timeout(self.timeout_s):
-                if await self._chunk_client.lookup([key]):
+                if not replace and await self._chunk_client.lookup([key]):
                     stored = False
                 else:
                     blob = await self._loop.run_in_executor(self._cpu, self._pack, key, layers)
-                    stored = not (await self._chunk_client.put(key, blob)).already_present
+                    reply = await self._chunk_client.put(key, blob, replace=replace)
+                    stored = not reply.already_present
         except Exception as exc:
             self._failed("push", exc, key)
             return
