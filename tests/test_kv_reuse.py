@@ -218,6 +218,7 @@ def test_session_record_round_trip_and_rejections() -> None:
     assert key == record_key(sid, bytes(16)) != record_key(sid, bytes([1] * 16))
     session = Session(sid, 1.5, 2.5, 30.0, "alice", {"k": "v"}, [1, 2, 3], turns=2)
     data = session_record(session)
+    assert sid.encode() not in data  # the store never holds the id, even inside the record
     back = session_from_record(sid, data, vocab_size=4)
     assert back is not None
     assert (back.created_at, back.idle_ttl_s, back.owner, back.metadata) == (
@@ -230,4 +231,4 @@ def test_session_record_round_trip_and_rejections() -> None:
     assert session_from_record(sid, data, vocab_size=3) is None  # token 3 out of vocab
     assert session_from_record("f" * 32, data, vocab_size=4) is None  # another id
     assert session_from_record(sid, b"not json", vocab_size=4) is None
-    assert session_from_record(sid, json.dumps({"session_id": sid}).encode(), 4) is None
+    assert session_from_record(sid, json.dumps({"session_digest": sid}).encode(), 4) is None

@@ -266,8 +266,8 @@ class SessionTable:
         session = self.get(session_id)
         if session.busy:
             raise FailedPrecondition(
-                f"session_id: session {session_id!r} is already running a turn "
-                f"(request {session.running_request_id!r}); wait for it to finish"
+                f"session_id: session {session_id!r} is already running a turn; "
+                "wait for it to finish"
             )
         session.running_request_id = request_id
         session.last_used_at = self._clock()
@@ -403,11 +403,16 @@ def record_key(session_id: str, key_id: bytes) -> bytes:
     return b"session:" + digest.encode()
 
 
+def _id_digest(session_id: str) -> str:
+    return hashlib.blake2b(session_id.encode(), digest_size=16).hexdigest()
+
+
 def session_record(session: Session) -> bytes:
     """A session's persisted state (no KV, no turn in flight) as a record."""
     record = {
-        "v": 1,
-        "session_id": session.session_id,
+        "v": 2,
+        # The id is a bearer secret: the record names it by digest only.
+        "session_digest": _id_digest(session.session_id),
         "owner": session.owner,
         "created_at": session.created_at,
         "last_used_at": session.last_used_at,
@@ -425,7 +430,9 @@ def session_from_record(session_id: str, data: bytes, vocab_size: int) -> Sessio
     try:
         rec = json.loads(data)
         history = [int(t) for t in rec["history"]]
-        if rec["session_id"] != session_id or any(not 0 <= t < vocab_size for t in history):
+        if rec["session_digest"] != _id_digest(session_id) or any(
+            not 0 <= t < vocab_size for t in history
+        ):
             raise ValueError("record does not match")
         return Session(
             session_id=session_id,
