@@ -116,6 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="largest session metadata in all, keys and values (UTF-8 bytes)",
     )
+    g.add_argument(
+        "--session-max-record-fetches",
+        type=int,
+        default=SessionConfig.max_record_fetches,
+        metavar="N",
+        help="session records fetched from the kvstore at once; more is RESOURCE_EXHAUSTED "
+        "(default %(default)s)",
+    )
     g.add_argument("--default-max-new-tokens", type=int, default=256)
     g.add_argument("--max-new-tokens-limit", type=int, default=4096)
     g.add_argument(
@@ -256,6 +264,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             max_metadata_key_bytes=args.session_metadata_key_bytes,
             max_metadata_value_bytes=args.session_metadata_value_bytes,
             max_metadata_bytes=args.session_metadata_bytes,
+            max_record_fetches=args.session_max_record_fetches,
         ),
         limits=LimitsConfig(
             default_max_new_tokens=args.default_max_new_tokens,

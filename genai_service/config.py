@@ -130,9 +130,15 @@ class SessionConfig:
     max_metadata_key_bytes: int = 256  # UTF-8 bytes of one key
     max_metadata_value_bytes: int = 4096  # UTF-8 bytes of one value
     max_metadata_bytes: int = 16 * 1024  # all keys and values together
+    # Session records being fetched from the kvstore at once (one per session
+    # id, however many calls wait on it); past it a call for another session
+    # not in memory is RESOURCE_EXHAUSTED, so lookups of made-up ids against a
+    # stalled kvstore cannot pile up without bound.
+    max_record_fetches: int = 64
 
     def __post_init__(self) -> None:
         _positive("max_sessions", self.max_sessions)
+        _positive("max_record_fetches", self.max_record_fetches)
         _positive("idle_ttl_s", self.idle_ttl_s)
         if self.max_parked_kv_bytes < 0:
             raise ValueError(f"max_parked_kv_bytes must be >= 0, got {self.max_parked_kv_bytes}")

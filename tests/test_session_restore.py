@@ -14,7 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from genai_service.config import CacheConfig, EngineConfig, KvStoreConfig
+from genai_service.config import (
+    CacheConfig,
+    EngineConfig,
+    KvStoreConfig,
+    SchedulerConfig,
+    SessionConfig,
+)
 from genai_service.engine.engine import LLMEngine
 from genai_service.engine.kv_connector_memory import MemoryKvChunkStore
 from genai_service.engine.request import (
@@ -24,7 +30,7 @@ from genai_service.engine.request import (
     StoppingCriteria,
 )
 from genai_service.engine.restores import PendingCall
-from genai_service.errors import NotFound
+from genai_service.errors import NotFound, ResourceExhausted
 from tests.tiny_model import encode_words, reference_greedy
 
 DELAY_S = 1.0  # each record fetch (and prefetch) takes this long once set
@@ -34,11 +40,12 @@ T2 = encode_words("what is the time now ?")
 STREAM = encode_words("the old house was big and red")
 
 
-def make_engine(model_dir: Path, store: MemoryKvChunkStore) -> LLMEngine:
+def make_engine(model_dir: Path, store: MemoryKvChunkStore, **config: object) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model_dir=str(model_dir),
             cache=CacheConfig(chunk_size=4),
+            **config,  # type: ignore[arg-type]
             # the target is never dialled: ``chunk_store`` replaces the connector
             kvstore=KvStoreConfig("127.0.0.1:1", timeout_s=5.0, auth_token="unused"),
         ),
@@ -259,3 +266,37 @@ def test_pending_call_answers_once() -> None:
     cancelled.cancel()
     cancelled.resolve(lambda: 9)
     assert seen == [(True, 7), (True, 7)]
+
+
+def test_record_fetches_and_parked_turns_are_bounded(
+    long_context_model_dir: Path, store: MemoryKvChunkStore
+) -> None:
+    """Lookups of made-up ids against a stalled kvstore cannot pile up: past
+    ``max_record_fetches`` sessions being fetched a call for another one is
+    RESOURCE_EXHAUSTED at once, and turns parked for their record count toward
+    the queue bound."""
+    engine = make_engine(
+        long_context_model_dir,
+        store,
+        sessions=SessionConfig(max_record_fetches=3),
+        scheduler=SchedulerConfig(max_queue=2),
+    )
+    store.delay_s = DELAY_S
+    ids = [f"{i:032x}" for i in range(1, 6)]
+    pending = [engine.get_session(sid) for sid in ids[:3]]
+    assert all(isinstance(p, PendingCall) for p in pending)
+    assert isinstance(engine.get_session(ids[0]), PendingCall)  # joins the fetch in flight
+    with pytest.raises(ResourceExhausted, match="at most 3 at once"):
+        engine.get_session(ids[3])
+    assert engine.stats()["session_record_fetches_refused"] == 1
+
+    engine.add_request(greedy("p1", T2, 2, session_id=ids[0]))
+    engine.add_request(greedy("p2", T2, 2, session_id=ids[1]))
+    with pytest.raises(ResourceExhausted, match="queue: 2 requests waiting, the limit is 2"):
+        engine.add_request(greedy("p3", T2, 2, session_id=ids[2]))
+    deadline = time.monotonic() + 30
+    while not all(p.done for p in pending) and time.monotonic() < deadline:
+        engine.step()
+        time.sleep(0.01)
+    assert all(p.done and isinstance(p.value, NotFound) for p in pending)
+    assert isinstance(engine.get_session(ids[4]), PendingCall)  # room again

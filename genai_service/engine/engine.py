@@ -22,7 +22,7 @@ import numpy as np
 import structlog
 
 from ..config import EngineConfig
-from ..errors import GenAIError, Internal, InvalidArgument, PermissionDenied
+from ..errors import GenAIError, Internal, InvalidArgument, PermissionDenied, ResourceExhausted
 from . import sampler as sampling
 from .detokenizer import IncrementalDetokenizer
 from .kv_connector import KvChunkStore
@@ -121,7 +121,13 @@ class LLMEngine:
         )
         self.restores = (
             SessionRestores(
-                self.remote, self.sessions, self.vocab_size, self._kvstore_timeout_s, self.counters
+                self.remote,
+                self.sessions,
+                self.vocab_size,
+                self._kvstore_timeout_s,
+                self.counters,
+                record_key=self._record_key,
+                max_fetches=config.sessions.max_record_fetches,
             )
             if self.remote is not None
             else None
@@ -175,6 +181,13 @@ class LLMEngine:
         if request.session_id is None:
             self._queue(request, None)
             return
+        waiting = self.scheduler.num_waiting + len(self._parked)
+        if request.session_id not in self.sessions and waiting >= self.config.scheduler.max_queue:
+            # Turns parked for their record count toward the queue bound too.
+            raise ResourceExhausted(
+                f"queue: {waiting} requests waiting, the limit is "
+                f"{self.config.scheduler.max_queue}; retry later"
+            )
         queued = self._with_session(
             request.session_id, request.principal, lambda s: self._queue(request, s)
         )

@@ -20,9 +20,9 @@ from typing import Any
 
 import structlog
 
-from ..errors import GenAIError, Internal
+from ..errors import GenAIError, Internal, ResourceExhausted
 from .kv_connector import KvChunkStore
-from .sessions import SessionTable, is_session_id, record_key, session_from_record
+from .sessions import SessionTable, is_session_id, session_from_record
 
 log = structlog.get_logger(__name__)
 
@@ -82,12 +82,16 @@ class SessionRestores:
         vocab_size: int,
         timeout_s: float,
         counters: Counter[str],
+        record_key: Callable[[str], bytes],
+        max_fetches: int,
     ) -> None:
         self.remote = remote
         self.table = table
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self.counters = counters
+        self.record_key = record_key  # the engine's: scoped by the integrity key id
+        self.max_fetches = max_fetches
         # session id -> (its record fetch, the calls to resume when it lands)
         self._fetches: dict[str, tuple[Future[bytes | None], list[Resume]]] = {}
 
@@ -106,12 +110,13 @@ class SessionRestores:
         good, is in the table."""
         entry = self._fetches.get(session_id)
         if entry is None:
-            entry = (
-                self.remote.fetch_record(
-                    record_key(session_id, self.remote.integrity.key_id), self.timeout_s
-                ),
-                [],
-            )
+            if len(self._fetches) >= self.max_fetches:
+                self.counters["session_record_fetches_refused"] += 1
+                raise ResourceExhausted(
+                    f"session_id: {len(self._fetches)} session records are being fetched "
+                    f"from the kvstore; at most {self.max_fetches} at once, retry later"
+                )
+            entry = (self.remote.fetch_record(self.record_key(session_id), self.timeout_s), [])
             self._fetches[session_id] = entry
         entry[1].append(resume)
 
