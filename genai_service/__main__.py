@@ -12,6 +12,8 @@ from typing import Any
 
 import structlog
 
+from kvstore.protocol import AUTH_TOKEN_ENV
+
 from .config import (
     PREFIX_CACHE_SCOPES,
     CacheConfig,
@@ -213,7 +215,7 @@ def kvstore_config(args: argparse.Namespace) -> KvStoreConfig | None:
     if args.kvstore_auth_token_file:
         token = read_secret_file(args.kvstore_auth_token_file, "--kvstore-auth-token-file")
     elif not args.kvstore_insecure:
-        token = os.environ.get("GENAI_KVSTORE_AUTH_TOKEN") or None
+        token = os.environ.get(AUTH_TOKEN_ENV) or None
     return KvStoreConfig(
         args.kvstore,
         timeout_s=args.kvstore_timeout,
@@ -254,7 +256,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         cache=CacheConfig(
             chunk_size=args.kv_chunk_size,
             prefix_cache_bytes=args.prefix_cache_bytes,
-            prefix_cache_scope=args.prefix_cache_scope or ("principal" if tokens else "global"),
+            prefix_cache_scope=args.prefix_cache_scope,  # None: ServerConfig picks by auth
         ),
         sessions=SessionConfig(
             max_sessions=args.max_sessions,

@@ -6,6 +6,7 @@ Environment variables and command-line flags are read in exactly one place
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from dataclasses import dataclass, field
 
@@ -92,12 +93,17 @@ class CacheConfig:
     prefix_cache_bytes: int = 256 * 1024 * 1024  # LRU bound; 0 disables prefix reuse
     # Who shares reused prefixes (genai-server --prefix-cache-scope): "global",
     # every request; "principal", only requests of the same caller (reuse is
-    # a timing side channel: one tenant could probe another's prompts).
-    prefix_cache_scope: str = "global"
+    # a timing side channel: one tenant could probe another's prompts). None:
+    # "principal" when the server has auth tokens (ServerConfig resolves it),
+    # else "global".
+    prefix_cache_scope: str | None = None
 
     def __post_init__(self) -> None:
         _positive("chunk_size", self.chunk_size)
-        if self.prefix_cache_scope not in PREFIX_CACHE_SCOPES:
+        if (
+            self.prefix_cache_scope is not None
+            and self.prefix_cache_scope not in PREFIX_CACHE_SCOPES
+        ):
             raise ValueError(
                 f"prefix_cache_scope must be one of {', '.join(PREFIX_CACHE_SCOPES)}; "
                 f"got {self.prefix_cache_scope!r}"
@@ -198,7 +204,7 @@ class KvStoreConfig:
     timeout_s: float = 2.0  # a lookup+fetch slower than this is a miss
     # Bearer token sent on every kvstore RPC; None only with insecure=True
     # (genai-server --kvstore-insecure), for a kvstore started --insecure.
-    auth_token: str | None = None
+    auth_token: str | None = field(default=None, repr=False)  # a secret: never logged
     insecure: bool = False
     record_wait_s: float = 1.0  # longest a turn's final answer waits for its session record
     tls_ca_file: str | None = None  # PEM; dial the kvstore over TLS, trusting this CA
@@ -301,3 +307,10 @@ class ServerConfig:
         for token, principal in self.auth_tokens:
             if not token or not principal:
                 raise ValueError("auth tokens and their principals must not be empty")
+        cache = self.engine.cache
+        if cache.prefix_cache_scope is None:  # the default follows auth, however built
+            scope = "principal" if self.auth_tokens else "global"
+            engine = dataclasses.replace(
+                self.engine, cache=dataclasses.replace(cache, prefix_cache_scope=scope)
+            )
+            object.__setattr__(self, "engine", engine)

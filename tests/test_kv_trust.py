@@ -369,6 +369,11 @@ def test_prefix_cache_scope_defaults_to_principal_with_auth(
     assert _config(tmp_path, *flags).engine.cache.prefix_cache_scope == "global"
     with pytest.raises(ValueError, match="prefix_cache_scope must be one of global, principal"):
         CacheConfig(prefix_cache_scope="tenant")
+    # The same default for a ServerConfig built in code: auth means per-principal.
+    engine = EngineConfig(model_dir=str(tmp_path))
+    authed = ServerConfig(engine=engine, auth_tokens=(("t", "alice"),))
+    assert authed.engine.cache.prefix_cache_scope == "principal"
+    assert ServerConfig(engine=engine).engine.cache.prefix_cache_scope == "global"
 
 
 def test_genai_stack_writes_a_private_key_the_server_accepts(tmp_path: Path) -> None:

@@ -107,7 +107,7 @@ class KvReuse:
             cache.prefix_cache_bytes,
             remote,
             counters,
-            cache.prefix_cache_scope,
+            cache.prefix_cache_scope or "global",  # unresolved only without a server
         )
 
     def namespace_of(self, seq: Sequence) -> bytes:
