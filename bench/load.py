@@ -49,11 +49,11 @@ import psutil
 from genai_client import Client
 from genai_client.errors import GenAIClientError, from_rpc_error
 from genai_service._proto.genai.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from kvstore.protocol import AUTH_TOKEN_ENV
 
 from .ours import ServerProcess
 from .procs import MB, REPO, free_port, machine_info, versions
 
-KVSTORE_TOKEN_ENV = "GENAI_KVSTORE_AUTH_TOKEN"
 RESULTS = REPO / "bench" / "results"
 KINDS = ("unary", "stream", "bidi", "session", "cancel", "deadline", "invalid", "random")
 DEFAULT_MIX = "unary=3,stream=3,bidi=2,session=2,cancel=2,deadline=2,invalid=1,random=1"
@@ -696,7 +696,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # The data-plane token both children read (the kvstore requires it, the
     # server's connector sends it); children inherit this process's environment.
-    token = os.environ[KVSTORE_TOKEN_ENV] = secrets.token_urlsafe(32)
+    token = os.environ[AUTH_TOKEN_ENV] = secrets.token_urlsafe(32)
     kvstore = KvStoreProcess("--memory-bytes", args.kvstore_memory_bytes, token=token)
     server: ServerProcess | None = None
     workers: list[Worker] = []

@@ -5,7 +5,8 @@ processes, both given one data-plane token through the environment (not argv,
 which ``ps`` shows): ``$GENAI_KVSTORE_AUTH_TOKEN`` when set, else a fresh
 random one, so nothing without it can read or write the pair's KV. The server
 also gets a freshly generated KV integrity key (``--kv-integrity-key-file``: a
-0600 file in a private temporary directory, removed at exit). It waits until
+0600 file in a private temporary directory, removed at exit), unless given one
+(to keep a disk tier's KV and sessions usable across runs). It waits until
 the server reports SERVING, streams one sample chat answer through the public
 client, then keeps serving until Ctrl-C/SIGTERM and stops both children
 gracefully.
@@ -27,13 +28,14 @@ from collections.abc import Mapping, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvstore.protocol import AUTH_TOKEN_ENV  # read by both children
+
 SAMPLE_PROMPT = "Name three primary colors."
-KVSTORE_TOKEN_ENV = "GENAI_KVSTORE_AUTH_TOKEN"  # read by both children
 
 
 def data_plane_token(environ: Mapping[str, str]) -> str:
     """The kvstore token both children get: the caller's, else a new random one."""
-    return environ.get(KVSTORE_TOKEN_ENV) or secrets.token_urlsafe(32)
+    return environ.get(AUTH_TOKEN_ENV) or secrets.token_urlsafe(32)
 
 
 def wait_serving(target: str, timeout_s: float, procs: Sequence[subprocess.Popen[bytes]]) -> None:
@@ -105,6 +107,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--prompt", default=SAMPLE_PROMPT)
     p.add_argument("--once", action="store_true", help="exit after the sample request")
     p.add_argument("--start-timeout", type=float, default=900.0)
+    p.add_argument(
+        "--kv-integrity-key-file",
+        default=None,
+        metavar="PATH",
+        help="the server's KV integrity key; pass one of your own to keep a --kvstore-disk-dir's "
+        "KV and sessions usable across runs (default: a fresh key each run)",
+    )
     args, server_args = p.parse_known_args(argv)
 
     bin_dir = os.path.dirname(sys.executable)
@@ -117,18 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.kvstore_disk_dir:
         kv_cmd += ["--disk-dir", args.kvstore_disk_dir]
     key_dir = tempfile.mkdtemp(prefix="genai-stack-")  # mode 0700; removed at exit
-    server_cmd = [
-        os.path.join(bin_dir, "genai-server"),
-        "--model", args.model,
-        "--host", args.host,
-        "--port", str(args.port),
-        "--kvstore", f"{args.host}:{args.kvstore_port}",
-        "--kv-integrity-key-file", write_integrity_key(key_dir),
-        *server_args,
-    ]  # fmt: skip
-    env = {**os.environ, KVSTORE_TOKEN_ENV: data_plane_token(os.environ)}
-    procs = [subprocess.Popen(kv_cmd, env=env)]
-    procs.append(subprocess.Popen(server_cmd, env=env))
+    procs: list[subprocess.Popen[bytes]] = []
     target = f"{args.host}:{args.port}"
     stop_requested = False
 
@@ -139,6 +137,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
+        server_cmd = [
+            os.path.join(bin_dir, "genai-server"),
+            "--model", args.model,
+            "--host", args.host,
+            "--port", str(args.port),
+            "--kvstore", f"{args.host}:{args.kvstore_port}",
+            "--kv-integrity-key-file", args.kv_integrity_key_file or write_integrity_key(key_dir),
+            *server_args,
+        ]  # fmt: skip
+        env = {**os.environ, AUTH_TOKEN_ENV: data_plane_token(os.environ)}
+        procs.append(subprocess.Popen(kv_cmd, env=env))
+        procs.append(subprocess.Popen(server_cmd, env=env))
         print(f"starting genai-kvstore and genai-server ({args.model}) ...", flush=True)
         wait_serving(target, args.start_timeout, procs)
         print(f"serving on {target} (kvstore on {args.host}:{args.kvstore_port})", flush=True)

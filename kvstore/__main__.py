@@ -17,9 +17,8 @@ import structlog
 
 from genai_service.credentials import read_secret_file
 from genai_service.logging import configure_logging
+from kvstore.protocol import AUTH_TOKEN_ENV
 from kvstore.server import KvStoreConfig, serve
-
-AUTH_TOKEN_ENV = "GENAI_KVSTORE_AUTH_TOKEN"
 
 _UNITS = {
     "": 1,

@@ -21,6 +21,10 @@ MAX_LOOKUP_KEYS = 65536
 
 SERVICE_NAME = "kvstore.v1.KvStore"
 
+# The environment variable holding the data-plane bearer token: the kvstore
+# requires it, the engine's connector sends it (genai-stack sets it for both).
+AUTH_TOKEN_ENV = "GENAI_KVSTORE_AUTH_TOKEN"
+
 # Data-plane channel options (no compression is passed separately: KV tensors
 # do not compress and the CPU is better spent elsewhere).
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (

@@ -14,7 +14,7 @@ import hashlib
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
@@ -55,7 +55,7 @@ class KvStoreConfig:
     max_blob_bytes: int = 256 << 20  # largest Put accepted (it is buffered in memory)
     # KvStore RPCs need "authorization: Bearer <auth_token>"; leaving it unset
     # takes insecure=True, an explicit choice to serve anyone who can connect.
-    auth_token: str | None = None
+    auth_token: str | None = field(default=None, repr=False)  # a secret: never logged
     insecure: bool = False
     tls_cert_file: str | None = None  # PEM; with tls_key_file, serve TLS
     tls_key_file: str | None = None

@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from genai_service.config import KvStoreConfig
-from kvstore.__main__ import AUTH_TOKEN_ENV
+from kvstore.protocol import AUTH_TOKEN_ENV
 from tests.server_harness import free_port
 
 DATA_PLANE_TOKEN = "test-data-plane-token"  # what the harness's kvstores require

@@ -19,8 +19,8 @@ import pytest
 
 from genai_service.__main__ import build_parser, config_from_args
 from genai_service.__main__ import main as server_main
-from kvstore.__main__ import AUTH_TOKEN_ENV
 from kvstore.client import KvStoreClient
+from kvstore.protocol import AUTH_TOKEN_ENV
 from kvstore.server import KvStoreConfig
 from tests.server_harness import free_port
 

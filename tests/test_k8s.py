@@ -630,7 +630,8 @@ def test_hpa_and_pdb_target_the_deployment(name: str) -> None:
 
 
 def _check_kvstore_tokens(kv_container: Obj, server_container: Obj) -> None:
-    from kvstore.__main__ import AUTH_TOKEN_ENV, config_from_args
+    from kvstore.__main__ import config_from_args
+    from kvstore.protocol import AUTH_TOKEN_ENV
 
     kv_env = env_of(kv_container)[AUTH_TOKEN_ENV]["valueFrom"]["secretKeyRef"]
     server_env = env_of(server_container)["GENAI_KVSTORE_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]

@@ -137,7 +137,10 @@ class KvChunkStore(ABC):
     def get_record(self, key: bytes, timeout_s: float) -> bytes | None:
         """``fetch_record`` waited for: blocks for at most about ``timeout_s``
         (never call it from the engine loop)."""
-        return self.fetch_record(key, timeout_s).result()
+        try:
+            return self.fetch_record(key, timeout_s).result(timeout_s + _CLOSE_TIMEOUT_S)
+        except TimeoutError:  # the connector's loop is wedged: a miss like any other
+            return None
 
     @abstractmethod
     def put_record(self, key: bytes, data: bytes) -> None:
