@@ -112,6 +112,8 @@ class LLMEngine:
         # the session records.
         self.remote = self.kv_reuse.remote
         self.prefix_index = self.kv_reuse.prefix_index
+        # The model's unscoped namespace: a request's chunk keys are those of
+        # KvReuse.namespace_of (scoped by principal and cache_salt).
         self.namespace = self.kv_reuse.namespace
         self.chunk_size = self.kv_reuse.chunk_size
         self.sessions = SessionTable(
