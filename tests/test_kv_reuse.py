@@ -65,8 +65,7 @@ def make_seq(ids: list[int], session: Session | None = None) -> Sequence:
         stop_token_ids=frozenset(),
         rng=np.random.default_rng(0),
         seed=0,
-        detokenizer=None,  # type: ignore[arg-type]
-        stop_matcher=None,  # type: ignore[arg-type]
+        text=None,  # type: ignore[arg-type]
         deadline=None,
         session=session,
     )

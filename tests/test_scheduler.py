@@ -21,8 +21,7 @@ def make_seq(rid: str, n_prompt: int, priority: Priority = Priority.NORMAL) -> S
         stop_token_ids=frozenset(),
         rng=np.random.default_rng(0),
         seed=0,
-        detokenizer=None,  # type: ignore[arg-type]
-        stop_matcher=None,  # type: ignore[arg-type]
+        text=None,  # type: ignore[arg-type]
         deadline=None,
     )
 

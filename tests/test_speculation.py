@@ -187,8 +187,8 @@ def oracle(engine: LLMEngine, answer: tuple[int, ...], prompt_len: int, wrong: b
         draft = list(answer[done : done + min(4, limit)])
         return [(t + 1) % engine.vocab_size for t in draft] if wrong else draft
 
-    assert engine._drafter is not None
-    engine._drafter.propose = propose  # type: ignore[method-assign]
+    assert engine.speculation is not None
+    engine.speculation.drafter.propose = propose  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("kind", RUNNERS)

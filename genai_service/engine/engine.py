@@ -2,11 +2,11 @@
 
 Single-threaded and synchronous: the engine process (or a test) calls
 ``add_request``/``abort`` between ``step`` calls. A step is three calls:
-``scheduler.schedule()``, ``runner.run(...)``, then ``_postprocess`` which
-samples, applies stop rules and emits one ``RequestOutput`` per request that
-moved. Nothing here waits on the network: a call or a request that needs a
-session record from the kvstore waits as a ``PendingCall`` (``restores``)
-while the steps go on.
+``scheduler.schedule()``, ``_run`` (the model runner, and the verification of
+speculative drafts), then ``_postprocess`` which picks tokens, applies stop
+rules and emits one ``RequestOutput`` per request that moved. Nothing here
+waits on the network: a call or a request that needs a session record from
+the kvstore waits as a ``PendingCall`` (``restores``) while the steps go on.
 """
 
 from __future__ import annotations
@@ -14,17 +14,15 @@ from __future__ import annotations
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
 import structlog
 
 from ..config import EngineConfig
-from ..errors import GenAIError, Internal, InvalidArgument, PermissionDenied, ResourceExhausted
-from . import sampler as sampling
-from .detokenizer import IncrementalDetokenizer
+from ..errors import GenAIError, Internal, InvalidArgument, ResourceExhausted
 from .kv_connector import KvChunkStore
 from .kv_reuse import KvReuse
 from .model_dir import ModelSpec, load_model_spec
@@ -39,21 +37,13 @@ from .request import (
     collect,
     merge_outputs,
 )
-from .restores import PendingCall, SessionRestores
-from .sampling_rows import plain_greedy, sampling_row, token_logprob
-from .scheduler import Scheduler
+from .restores import HeldOutputs, PendingCall, SessionRestores, with_session
+from .sampling_rows import TokenPicker
+from .scheduler import ScheduledBatch, Scheduler
 from .sequence import SeqStatus, Sequence
-from .sessions import (
-    Session,
-    SessionInfo,
-    SessionPage,
-    SessionTable,
-    not_found,
-    record_key,
-    session_record,
-)
-from .speculation import PromptLookup, follow_draft
-from .stops import StopStringMatcher
+from .sessions import Session, SessionInfo, SessionPage, SessionTable, record_key, session_record
+from .speculation import Speculation
+from .text_output import TextOutput
 from .tokenizer import Tokenizer
 from .validation import resolve_max_new_tokens, validate_request
 
@@ -79,6 +69,17 @@ class EngineInfo:
     runner_kind: str
     has_chat_template: bool
     kv_chunk_size: int
+
+
+@dataclass(frozen=True)
+class _Computed:
+    """What ``_run`` computed for a batch: the logits of its plain items
+    ([len(plain), vocab]; None if all were drafted) and each drafted
+    sequence's verification rows ([len(draft) + 1, vocab])."""
+
+    plain: list[tuple[Sequence, int]]
+    logits: np.ndarray | None = None
+    verified: list[tuple[Sequence, list[int], np.ndarray]] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -134,25 +135,26 @@ class LLMEngine:
             if self.remote is not None
             else None
         )
+        # Final outputs of session turns wait for their record to land in the kvstore.
+        self._held = (
+            HeldOutputs(self.remote, config.kvstore.record_wait_s)
+            if self.remote is not None and config.kvstore
+            else None
+        )
         self._requests: dict[str, Sequence] = {}
         # Requests waiting outside the scheduler for their session's record.
         self._parked: dict[str, tuple[GenerationRequest, PendingCall]] = {}
         self._pending: list[RequestOutput] = []
-        # Final outputs of session turns waiting for their record to land in
-        # the kvstore: (record key, give-up time, output).
-        self._held: list[tuple[bytes, float, RequestOutput]] = []
         # Finished sequences whose slots are kept until their chunks are shared:
         # the copies are made after their final outputs have gone out.
         self._finished_kv: list[Sequence] = []
         self.last_step_idle = False  # the last step computed nothing (waiting on I/O)
-        self._drafter: PromptLookup | None = None
-        if config.speculation.num_tokens:
-            if not self.runner.can_verify:
-                raise ValueError(
-                    "speculation: the graph returns only the last position's logits and has "
-                    "no num_logits_to_keep input (convert it again, or use --speculate 0)"
-                )
-            self._drafter = PromptLookup(config.speculation)
+        self.picker = TokenPicker(self.spec.sampling_defaults, self.tokenizer.token_text)
+        self.speculation = (
+            Speculation(config.speculation, self.runner, self.counters)
+            if config.speculation.num_tokens
+            else None
+        )
 
     # -- public API ------------------------------------------------------------
 
@@ -190,8 +192,12 @@ class LLMEngine:
                 f"queue: {waiting} requests waiting, the limit is "
                 f"{self.config.scheduler.max_queue}; retry later"
             )
-        queued = self._with_session(
-            request.session_id, request.principal, lambda s: self._queue(request, s)
+        queued = with_session(
+            self.sessions,
+            self.restores,
+            request.session_id,
+            request.principal,
+            lambda s: self._queue(request, s),
         )
         if isinstance(queued, PendingCall):
             self._parked[rid] = (request, queued)
@@ -280,43 +286,13 @@ class LLMEngine:
         return self.config.kvstore.timeout_s if self.config.kvstore else 1.0
 
     def step(self) -> list[RequestOutput]:
-        if self.restores:
-            self.restores.poll()  # resumes calls and requests whose record arrived
-        outputs, self._pending = self._pending, []
-        outputs.extend(self._release_held())
-        stored = self._store_finished()
-        self._expire()
+        outputs, stored = self._housekeeping()
         batch = self.scheduler.schedule()
         self.last_step_idle = not batch and not stored
         if not batch:
             return outputs
-        drafts = self._drafter.drafts(batch.items, self.context_length) if self._drafter else {}
-        plain = [item for item in batch.items if item[0].seq_id not in drafts]
-        items = [
-            StepItem(
-                seq.seq_id, seq.token_ids[seq.num_computed : seq.num_computed + n], seq.num_computed
-            )
-            for seq, n in plain
-        ]
-        try:
-            checked = [
-                (seq, draft, self.runner.verify(self._draft_item(seq, draft)))
-                for seq, _ in batch.items
-                if (draft := drafts.get(seq.seq_id))
-            ]
-            logits = self.runner.run(items) if items else None
-        except Exception as exc:  # an ORT failure must not take the engine down
-            log.exception("runner_failed", batch=[s.request_id for s, _ in batch.items])
-            for seq, _ in batch.items:
-                self._fail(seq, Internal(f"model runner failed: {exc}"))
-            return outputs + self._drain_pending()
-        self.counters["steps"] += 1
-        self.counters["computed_tokens"] += batch.num_tokens + sum(map(len, drafts.values()))
-        for seq, draft, rows in checked:
-            outputs.append(self._accept(seq, draft, rows))
-        if logits is not None:
-            outputs.extend(self._postprocess(plain, logits))
-        return outputs + self._drain_pending()
+        computed = self._run(batch)
+        return outputs + self._postprocess(computed) + self._drain_pending()
 
     def run_to_completion(
         self, requests: Iterable[GenerationRequest]
@@ -366,10 +342,10 @@ class LLMEngine:
         return SessionTable.info(session)
 
     # The calls below that take a session id answer a ``PendingCall`` when
-    # the session must first come from its kvstore record (``_with_session``).
+    # the session must first come from its kvstore record (``restores.with_session``).
 
     def get_session(self, session_id: str, principal: str = "") -> SessionInfo | PendingCall:
-        return self._with_session(session_id, principal, SessionTable.info)
+        return with_session(self.sessions, self.restores, session_id, principal, SessionTable.info)
 
     def reset_session(self, session_id: str, principal: str = "") -> SessionInfo | PendingCall:
         def reset(session: Session) -> SessionInfo:
@@ -377,7 +353,7 @@ class LLMEngine:
             self._save_session(session)
             return SessionTable.info(session)
 
-        return self._with_session(session_id, principal, reset)
+        return with_session(self.sessions, self.restores, session_id, principal, reset)
 
     def close_session(self, session_id: str, principal: str = "") -> SessionInfo | PendingCall:
         def close(session: Session) -> SessionInfo:
@@ -387,7 +363,7 @@ class LLMEngine:
                 self.remote.delete_record(self._record_key(session_id))
             return SessionTable.info(self.sessions.close(session_id))
 
-        return self._with_session(session_id, principal, close)
+        return with_session(self.sessions, self.restores, session_id, principal, close)
 
     def list_sessions(
         self, principal: str = "", page_size: int = 0, page_token: str = ""
@@ -396,38 +372,6 @@ class LLMEngine:
         them when auth is off); see ``SessionTable.page``."""
         sessions, token = self.sessions.page(principal or None, page_size, page_token)
         return SessionPage([SessionTable.info(s) for s in sessions], token)
-
-    def _with_session(
-        self, session_id: str, principal: str, then: Callable[[Session], T]
-    ) -> T | PendingCall:
-        """``then(session)`` for the session ``principal`` may use, now if it is
-        in memory, else (with a kvstore) as a ``PendingCall`` resolved once its
-        record has arrived: the loop never waits for it."""
-        session = self.sessions.find(session_id)
-        if session is not None:
-            return then(self._owned(session, principal))
-        if self.restores is None or not self.restores.can_restore(session_id):
-            raise not_found(session_id)
-        pending = PendingCall()
-
-        def resume(error: GenAIError | None) -> None:
-            def run() -> T:
-                if error is not None:
-                    raise error
-                return then(self._owned(self.sessions.get(session_id), principal))
-
-            pending.resolve(run)
-
-        self.restores.wait_for(session_id, resume)
-        return pending
-
-    @staticmethod
-    def _owned(session: Session, principal: str) -> Session:
-        if session.owner and session.owner != principal:
-            raise PermissionDenied(
-                f"session_id: session {session.session_id!r} belongs to another principal"
-            )
-        return session
 
     # -- internals ---------------------------------------------------------------
 
@@ -451,21 +395,70 @@ class LLMEngine:
             stop_token_ids=frozenset(stopping.stop_token_ids),
             rng=np.random.default_rng(seed),
             seed=seed,
-            detokenizer=IncrementalDetokenizer(
+            text=TextOutput(
                 self.tokenizer.inner,
                 token_ids[-DETOKENIZER_CONTEXT:],
                 skip_special_tokens=request.skip_special_tokens,
+                stop_sequences=stopping.stop_sequences,
+                include_stop_sequence=stopping.include_stop_sequence,
             ),
-            stop_matcher=StopStringMatcher(stopping.stop_sequences, stopping.include_stop_sequence),
             deadline=deadline,
             session=session,
         )
 
-    def _postprocess(
-        self, items: list[tuple[Sequence, int]], logits: np.ndarray
-    ) -> list[RequestOutput]:
+    def _housekeeping(self) -> tuple[list[RequestOutput], int]:
+        """Before a step: resume calls and requests whose session record
+        arrived, take the outputs due, share finished sequences' chunks (how
+        many were copied is returned too) and retire requests past their
+        time limit."""
+        if self.restores:
+            self.restores.poll()
+        outputs, self._pending = self._pending, []
+        if self._held is not None:
+            outputs.extend(self._held.release())
+        stored = self._store_finished()
+        self._expire()
+        return outputs, stored
+
+    def _run(self, batch: ScheduledBatch) -> _Computed:
+        """Compute ``batch``: sequences with a speculative draft verify it, the
+        others run as one step. A runner failure fails the batch's requests."""
+        spec = self.speculation
+        drafts = spec.drafts(batch.items, self.context_length) if spec else {}
+        plain = [item for item in batch.items if item[0].seq_id not in drafts]
+        items = [
+            StepItem(
+                seq.seq_id, seq.token_ids[seq.num_computed : seq.num_computed + n], seq.num_computed
+            )
+            for seq, n in plain
+        ]
+        try:
+            verified = [
+                (seq, draft, spec.verify(seq, draft))
+                for seq, _ in batch.items
+                if spec and (draft := drafts.get(seq.seq_id))
+            ]
+            logits = self.runner.run(items) if items else None
+        except Exception as exc:  # an ORT failure must not take the engine down
+            log.exception("runner_failed", batch=[s.request_id for s, _ in batch.items])
+            for seq, _ in batch.items:
+                self._fail(seq, Internal(f"model runner failed: {exc}"))
+            return _Computed([])
+        self.counters["steps"] += 1
+        self.counters["computed_tokens"] += batch.num_tokens + sum(map(len, drafts.values()))
+        return _Computed(plain, logits, verified)
+
+    def _postprocess(self, computed: _Computed) -> list[RequestOutput]:
+        """Pick the next tokens from what ``_run`` computed and append them."""
+        outputs = []
+        spec = self.speculation
+        for seq, draft, rows in computed.verified:
+            assert spec is not None  # only it drafts
+            outputs.append(spec.accept(seq, draft, rows, self.picker, self._append_token))
+        if computed.logits is None:
+            return outputs
         to_sample: list[int] = []
-        for i, (seq, n) in enumerate(items):
+        for i, (seq, n) in enumerate(computed.plain):
             seq.num_computed += n
             if seq.status is SeqStatus.COMMITTING:
                 self._park_session(seq)
@@ -474,125 +467,46 @@ class LLMEngine:
                 if not seq.output_ids:
                     self.kv_reuse.track(seq)  # prompt done: its chunks are shareable
         if not to_sample:
-            return []
-        seqs = [items[i][0] for i in to_sample]
+            return outputs
+        seqs = [computed.plain[i][0] for i in to_sample]
+        logits = computed.logits
         if len(to_sample) < len(logits):
             logits = logits[to_sample]  # a copy: only when some rows are not sampled
-        if all(plain_greedy(seq) for seq in seqs):
-            # The common case needs no sampler set-up: a row-wise argmax.
-            tokens = np.argmax(logits, axis=1)
-            return [
-                self._append_token(seq, int(t), None) for seq, t in zip(seqs, tokens, strict=True)
-            ]
-        rows = [sampling_row(seq, self.spec.sampling_defaults) for seq in seqs]
-        sampled = sampling.sample(logits, sampling.prepare(rows))
-        return [
-            self._append_token(seq, *self._picked(seq, sampled, j)) for j, seq in enumerate(seqs)
-        ]
-
-    def _picked(
-        self, seq: Sequence, sampled: sampling.SampleOutput, j: int
-    ) -> tuple[int, TokenLogprob | None]:
-        """Row ``j`` of the sampler's output: the token, and its logprobs if ``seq`` wants them."""
-        token = int(sampled.token_ids[j])
-        if seq.request.top_logprobs == 0:
-            return token, None
-        return token, token_logprob(
-            token,
-            float(sampled.logprobs[j]) if sampled.logprobs is not None else 0.0,
-            sampled.top_token_ids[j],
-            sampled.top_logprobs[j],
-            self.tokenizer.token_text,
-        )
-
-    # -- speculative decoding (config.speculation) --------------------------------
-
-    @staticmethod
-    def _draft_item(seq: Sequence, draft: list[int]) -> StepItem:
-        """The sequence's last token followed by the draft, in one step."""
-        return StepItem(seq.seq_id, (seq.token_ids[-1], *draft), seq.num_computed)
-
-    def _accept(self, seq: Sequence, draft: list[int], rows: np.ndarray) -> RequestOutput:
-        """Pick tokens from ``rows`` as a plain decode would (``follow_draft``),
-        append them one by one, and keep the KV of the agreed draft tokens only.
-        Returns the step's tokens as one output."""
-        chosen = follow_draft(draft, rows, lambda row, picked: self._choose(seq, row, picked))
-        self.counters["spec_draft_tokens"] += len(draft)
-        self.counters["spec_accepted_tokens"] += len(chosen) - 1
-        assert self._drafter is not None
-        self._drafter.feedback(seq.seq_id, len(chosen) - 1)
-        start = seq.num_computed
-        out: RequestOutput | None = None
-        for j, (token, lp) in enumerate(chosen):
-            # Every token but the last one is computed, as in a plain decode
-            # (the runner may hold more until the trim below; KvReuse reads
-            # only up to num_computed).
-            seq.num_computed = start + 1 + j
-            step = self._append_token(seq, token, lp)
-            out = step if out is None else merge_outputs(out, step)
-            if seq.finish_reason is not None:
-                break
-        if self.runner.kv_len(seq.seq_id) > seq.num_computed:  # unless released
-            self.runner.truncate(seq.seq_id, seq.num_computed)  # drop rejected drafts' KV
-        assert out is not None  # rows always has at least one row
-        return out
-
-    def _choose(
-        self, seq: Sequence, row: np.ndarray, pending: list[int]
-    ) -> tuple[int, TokenLogprob | None]:
-        """The token a plain decode of ``seq`` would pick from ``row`` after
-        ``pending`` (picked, not yet appended)."""
-        if plain_greedy(seq, len(pending)):
-            return int(np.argmax(row)), None
-        args = sampling.prepare([sampling_row(seq, self.spec.sampling_defaults, pending)])
-        return self._picked(seq, sampling.sample(row[None], args), 0)
+        picks = self.picker.pick(seqs, logits)
+        outputs.extend(self._append_token(seq, *p) for seq, p in zip(seqs, picks, strict=True))
+        return outputs
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> RequestOutput:
+        """Append a picked token; apply the stop rules; the token's output."""
         seq.token_ids.append(token)
         seq.output_ids.append(token)
-        if lp is not None:
-            seq.logprobs.append(lp)
-        stopping = seq.request.stopping
-        finish: FinishReason | None = None
-        text = ""
+        finish: FinishReason | None
         if token in seq.eos_token_ids:
-            finish = FinishReason.EOS_TOKEN
+            finish, text = FinishReason.EOS_TOKEN, ""
         elif token in seq.stop_token_ids:
             finish = FinishReason.STOP_SEQUENCE
-            seq.stop_sequence = self.tokenizer.token_text(token)
-            # Text held back for a possible stop string is real output after all.
-            text = seq.stop_matcher.flush() + seq.detokenizer.flush()
-            if stopping.include_stop_sequence:
-                text += seq.stop_sequence
+            text = seq.text.finish_at_stop_token(self.tokenizer.token_text(token))
         else:
-            text, matched = seq.stop_matcher.feed(seq.detokenizer.add([token]))
-            if matched is not None:
-                finish, seq.stop_sequence = FinishReason.STOP_SEQUENCE, matched
+            text = seq.text.add(token)
+            finish = (
+                FinishReason.STOP_SEQUENCE
+                if seq.text.stopped
+                else seq.limit_reached(self.context_length)
+            )
+        if finish is not None and finish is not FinishReason.STOP_SEQUENCE:
+            text += seq.text.finish()  # what the detokenizer and stop matcher held back
+            if seq.text.stopped:
+                finish = FinishReason.STOP_SEQUENCE
+        delta = RequestOutput(seq.request_id, (token,), text, (lp,) if lp else ())
         if finish is None:
-            if len(seq.output_ids) >= seq.max_new_tokens:
-                finish = FinishReason.MAX_TOKENS
-            elif len(seq.token_ids) >= self.context_length:
-                finish = FinishReason.CONTEXT_LENGTH
-            elif seq.deadline is not None and time.monotonic() >= seq.deadline:
-                finish = FinishReason.TIME_LIMIT
-        if finish is None:
-            return RequestOutput(seq.request_id, (token,), text, (lp,) if lp else ())
-        if finish is not FinishReason.STOP_SEQUENCE:
-            tail, matched = seq.stop_matcher.feed(seq.detokenizer.flush())
-            text += tail
-            if matched is not None:
-                finish, seq.stop_sequence = FinishReason.STOP_SEQUENCE, matched
-            else:
-                text += seq.stop_matcher.flush()
+            return delta
         final = self._finish(seq, finish, emit=False)
-        if seq.session is not None and self.remote is not None and self.config.kvstore:
+        if seq.session is not None and self._held is not None:
             # Answer only once the session record is visible to other replicas,
             # so the next turn may go to any of them.
-            key = self._record_key(seq.session.session_id)
-            give_up = time.monotonic() + self.config.kvstore.record_wait_s
-            self._held.append((key, give_up, final))
-            return RequestOutput(seq.request_id, (token,), text, (lp,) if lp else ())
-        return replace(final, token_ids=(token,), text=text, logprobs=(lp,) if lp else ())
+            self._held.hold(self._record_key(seq.session.session_id), final)
+            return delta
+        return merge_outputs(delta, final)
 
     def _finish(
         self, seq: Sequence, reason: FinishReason, *, emit: bool, abort: bool = False
@@ -624,7 +538,7 @@ class LLMEngine:
             seq.request_id,
             finished=True,
             finish_reason=reason,
-            stop_sequence=seq.stop_sequence,
+            stop_sequence=seq.text.stop_sequence,
             usage=Usage(seq.prompt_len, len(seq.output_ids), seq.num_cached),
             seed=seq.seed,
             session_id=session.session_id if session else None,
@@ -669,8 +583,8 @@ class LLMEngine:
     def _retire(self, seq: Sequence) -> None:
         shareable = seq.status is SeqStatus.RUNNING or seq.status is SeqStatus.COMMITTING
         seq.status = SeqStatus.FINISHED
-        if self._drafter is not None:
-            self._drafter.forget(seq.seq_id)
+        if self.speculation is not None:
+            self.speculation.forget(seq.seq_id)
         self.scheduler.remove(seq)
         if shareable and self.kv_reuse.unstored(seq):
             self._finished_kv.append(seq)  # stored and released by a later step
@@ -704,20 +618,6 @@ class LLMEngine:
     def _save_session(self, session: Session) -> None:
         if self.remote is not None:
             self.remote.put_record(self._record_key(session.session_id), session_record(session))
-
-    def _release_held(self) -> list[RequestOutput]:
-        if not self._held:
-            return []
-        assert self.remote is not None
-        now = time.monotonic()
-        ready, waiting = [], []
-        for key, give_up, out in self._held:
-            if not self.remote.record_pending(key) or now >= give_up:
-                ready.append(out)
-            else:
-                waiting.append((key, give_up, out))
-        self._held = waiting
-        return ready
 
     def _fail(self, seq: Sequence, error: GenAIError) -> None:
         if seq.status is SeqStatus.COMMITTING:

@@ -148,13 +148,20 @@ class GenerationResult:
     session_tokens: int
 
 
-def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
-    """Two consecutive outputs of one request as one delta (``then``'s end fields)."""
+def merge_outputs(*outputs: RequestOutput) -> RequestOutput:
+    """Consecutive outputs of one request as one: their tokens, text and
+    logprobs joined, the last one's end fields (finish reason, usage, ...).
+    The one place deltas are joined (a step's draft tokens, a consumer that
+    fell behind, a whole request's result)."""
+    if not outputs:
+        raise ValueError("no outputs to merge")
+    if len(outputs) == 1:
+        return outputs[0]
     return replace(
-        then,
-        token_ids=first.token_ids + then.token_ids,
-        text=first.text + then.text,
-        logprobs=first.logprobs + then.logprobs,
+        outputs[-1],
+        token_ids=tuple(t for o in outputs for t in o.token_ids),
+        text="".join(o.text for o in outputs),
+        logprobs=tuple(lp for o in outputs for lp in o.logprobs),
     )
 
 
@@ -162,16 +169,16 @@ def collect(outputs: list[RequestOutput]) -> GenerationResult:
     """Fold a request's deltas into one result; raises the request's error."""
     if not outputs:
         raise ValueError("no outputs to collect")
-    last = outputs[-1]
+    last = merge_outputs(*outputs)
     if last.error is not None:
         raise last.error
     if not last.finished or last.finish_reason is None or last.usage is None:
         raise ValueError(f"request {last.request_id} has not finished")
     return GenerationResult(
         request_id=last.request_id,
-        text="".join(o.text for o in outputs),
-        token_ids=tuple(t for o in outputs for t in o.token_ids),
-        logprobs=tuple(lp for o in outputs for lp in o.logprobs),
+        text=last.text,
+        token_ids=last.token_ids,
+        logprobs=last.logprobs,
         finish_reason=last.finish_reason,
         stop_sequence=last.stop_sequence,
         usage=last.usage,

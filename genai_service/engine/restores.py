@@ -7,26 +7,32 @@ starts the fetch on the connector's thread, and the call that needs the
 session (a GetSession, a turn, ...) waits as a ``PendingCall`` while the
 engine keeps stepping every other sequence. Each step ``poll`` adopts the
 records that have arrived into the session table and resumes their waiters.
+``with_session`` is how the engine's session calls use it. The other way,
+``HeldOutputs`` keeps a turn's final output until its session's record is
+visible in the kvstore.
 
 Plain Python: futures from the ``KvChunkStore``, no network here.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
-from ..errors import GenAIError, Internal, ResourceExhausted
+from ..errors import GenAIError, Internal, PermissionDenied, ResourceExhausted
 from .kv_connector import KvChunkStore
-from .sessions import SessionTable, is_session_id, session_from_record
+from .request import RequestOutput
+from .sessions import Session, SessionTable, is_session_id, not_found, session_from_record
 
 log = structlog.get_logger(__name__)
 
 Resume = Callable[["GenAIError | None"], None]
+T = TypeVar("T")
 
 
 class PendingCall:
@@ -141,3 +147,73 @@ class SessionRestores:
                     error = exc
             for resume in waiters:
                 resume(error)
+
+
+def with_session(
+    table: SessionTable,
+    restores: SessionRestores | None,
+    session_id: str,
+    principal: str,
+    then: Callable[[Session], T],
+) -> T | PendingCall:
+    """``then(session)`` for the session ``principal`` may use, now if it is in
+    memory, else (with a kvstore: ``restores``) as a ``PendingCall`` resolved
+    once its record has arrived: the engine loop never waits for it."""
+    session = table.find(session_id)
+    if session is not None:
+        return then(owned(session, principal))
+    if restores is None or not restores.can_restore(session_id):
+        raise not_found(session_id)
+    pending = PendingCall()
+
+    def resume(error: GenAIError | None) -> None:
+        def run() -> T:
+            if error is not None:
+                raise error
+            return then(owned(table.get(session_id), principal))
+
+        pending.resolve(run)
+
+    restores.wait_for(session_id, resume)
+    return pending
+
+
+def owned(session: Session, principal: str) -> Session:
+    """``session`` if ``principal`` may use it; ``PermissionDenied`` otherwise."""
+    if session.owner and session.owner != principal:
+        raise PermissionDenied(
+            f"session_id: session {session.session_id!r} belongs to another principal"
+        )
+    return session
+
+
+class HeldOutputs:
+    """Final outputs of session turns held until their session's record is
+    visible in the kvstore (so the next turn may go to any replica), or until
+    ``wait_s`` has passed."""
+
+    def __init__(self, remote: KvChunkStore, wait_s: float) -> None:
+        self.remote = remote
+        self.wait_s = wait_s
+        # (record key, give-up time, output)
+        self._held: list[tuple[bytes, float, RequestOutput]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._held)
+
+    def hold(self, key: bytes, out: RequestOutput) -> None:
+        self._held.append((key, time.monotonic() + self.wait_s, out))
+
+    def release(self) -> list[RequestOutput]:
+        """The outputs whose record has landed (or that waited long enough)."""
+        if not self._held:
+            return []
+        now = time.monotonic()
+        ready, waiting = [], []
+        for key, give_up, out in self._held:
+            if not self.remote.record_pending(key) or now >= give_up:
+                ready.append(out)
+            else:
+                waiting.append((key, give_up, out))
+        self._held = waiting
+        return ready

@@ -4,6 +4,7 @@
 argmax); ``sampling_row`` builds the ``sampler.SamplingRow`` of a sequence,
 with the model author's defaults applied; ``token_logprob`` turns the
 sampler's logprob arrays into the ``TokenLogprob`` sent to the client.
+``TokenPicker`` puts them together: the tokens a step picks from its logits.
 """
 
 from __future__ import annotations
@@ -88,3 +89,45 @@ def token_logprob(
             for t, p in zip(top_ids, top_lps, strict=True)
         ),
     )
+
+
+Picked = tuple[int, TokenLogprob | None]  # a token, and its logprobs if the request wants them
+
+
+class TokenPicker:
+    """The next token of sequences from their logits, as the request asks:
+    a row-wise argmax when every row is plain greedy, the sampler otherwise."""
+
+    def __init__(self, defaults: Mapping[str, float | int], token_text: Callable[[int], str]):
+        self.defaults = defaults  # the model's sampling_defaults
+        self.token_text = token_text
+
+    def pick(self, seqs: list[Sequence], logits: np.ndarray) -> list[Picked]:
+        """One token per sequence; ``logits``: [len(seqs), vocab]."""
+        if all(plain_greedy(seq) for seq in seqs):
+            # The common case needs no sampler set-up.
+            return [(int(t), None) for t in np.argmax(logits, axis=1)]
+        rows = [sampling_row(seq, self.defaults) for seq in seqs]
+        sampled = sampling.sample(logits, sampling.prepare(rows))
+        return [self._picked(seq, sampled, j) for j, seq in enumerate(seqs)]
+
+    def pick_after(self, seq: Sequence, row: np.ndarray, pending: list[int]) -> Picked:
+        """The token a plain decode of ``seq`` would pick from ``row`` (logits,
+        [vocab]) after ``pending`` (picked, not yet appended: a draft being checked)."""
+        if plain_greedy(seq, len(pending)):
+            return int(np.argmax(row)), None
+        args = sampling.prepare([sampling_row(seq, self.defaults, pending)])
+        return self._picked(seq, sampling.sample(row[None], args), 0)
+
+    def _picked(self, seq: Sequence, sampled: sampling.SampleOutput, j: int) -> Picked:
+        """Row ``j`` of the sampler's output."""
+        token = int(sampled.token_ids[j])
+        if seq.request.top_logprobs == 0:
+            return token, None
+        return token, token_logprob(
+            token,
+            float(sampled.logprobs[j]) if sampled.logprobs is not None else 0.0,
+            sampled.top_token_ids[j],
+            sampled.top_logprobs[j],
+            self.token_text,
+        )

@@ -18,13 +18,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .request import FinishReason, GenerationRequest, TokenLogprob
+from .request import FinishReason, GenerationRequest
 
 if TYPE_CHECKING:
-    from .detokenizer import IncrementalDetokenizer
     from .prefix_cache import KvLayers
     from .sessions import Session
-    from .stops import StopStringMatcher
+    from .text_output import TextOutput
 
 
 class SeqStatus(enum.Enum):
@@ -47,8 +46,7 @@ class Sequence:
     stop_token_ids: frozenset[int]
     rng: np.random.Generator
     seed: int
-    detokenizer: IncrementalDetokenizer
-    stop_matcher: StopStringMatcher
+    text: TextOutput  # detokenizer and stop strings; its stop_sequence ends the output
     deadline: float | None  # monotonic time at which TIME_LIMIT fires
     session: Session | None = None
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
@@ -57,9 +55,7 @@ class Sequence:
     num_computed: int = 0
     num_cached: int = 0  # prompt tokens whose KV was reused (prefix index or session)
     output_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
-    stop_sequence: str = ""
     stored_chunks: int = 0  # leading chunks already in the prefix index
     # kvstore prefetch of the prompt's chunk chain, started when the request arrives
     prefix_keys: list[bytes] = field(default_factory=list)
@@ -75,9 +71,16 @@ class Sequence:
         """Tokens whose KV is not computed yet."""
         return len(self.token_ids) - self.num_computed
 
-    @property
-    def in_prefill(self) -> bool:
-        return not self.output_ids and self.status is SeqStatus.RUNNING
+    def limit_reached(self, context_length: int) -> FinishReason | None:
+        """The limit the sequence has reached, if any: ``max_new_tokens``, the
+        context, or its time limit."""
+        if len(self.output_ids) >= self.max_new_tokens:
+            return FinishReason.MAX_TOKENS
+        if len(self.token_ids) >= context_length:
+            return FinishReason.CONTEXT_LENGTH
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            return FinishReason.TIME_LIMIT
+        return None
 
     @property
     def priority_key(self) -> tuple[int, float, int]:

@@ -6,7 +6,7 @@ down to ``ngram_min``) and propose the tokens that followed there. Text that
 quotes or edits its prompt (summaries, code changes, extraction, multi-turn
 chat that repeats names) is full of such runs. The engine feeds the last token
 plus the draft in one step and keeps every draft token the model itself would
-have chosen (``LLMEngine._accept`` with ``follow_draft`` below): the same
+have chosen (``Speculation.accept`` with ``follow_draft`` below): the same
 tokens as without speculation, up to the rounding of a several-token step
 (docs/design.md, "Speculative decoding").
 
@@ -16,12 +16,16 @@ since, so a step costs a few dict operations, not a scan of the context.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import numpy as np
 
 from ..config import SpeculationConfig
+from .model_runner import ModelRunner, StepItem
+from .request import RequestOutput, TokenLogprob, merge_outputs
+from .sampling_rows import TokenPicker
 from .sequence import SeqStatus
 from .sequence import Sequence as Seq
 
@@ -142,3 +146,64 @@ def follow_draft(
         if j == len(draft) or picks[-1][0] != draft[j]:
             break
     return picks
+
+
+class Speculation:
+    """Speculative decoding in the engine (``config.speculation``): a step's
+    drafts, their verification, and the tokens kept of each."""
+
+    def __init__(
+        self, config: SpeculationConfig, runner: ModelRunner, counters: Counter[str]
+    ) -> None:
+        if not runner.can_verify:
+            raise ValueError(
+                "speculation: the graph returns only the last position's logits and has "
+                "no num_logits_to_keep input (convert it again, or use --speculate 0)"
+            )
+        self.drafter = PromptLookup(config)
+        self.runner = runner
+        self.counters = counters
+
+    def drafts(self, items: Sequence[tuple[Seq, int]], context_length: int) -> dict[int, list[int]]:
+        """seq_id -> draft for the sequences of a step (``PromptLookup.drafts``)."""
+        return self.drafter.drafts(items, context_length)
+
+    def verify(self, seq: Seq, draft: list[int]) -> np.ndarray:
+        """Feed the sequence's last token followed by the draft in one step;
+        the logits after each of them, [len(draft) + 1, vocab]."""
+        item = StepItem(seq.seq_id, (seq.token_ids[-1], *draft), seq.num_computed)
+        return self.runner.verify(item)
+
+    def accept(
+        self,
+        seq: Seq,
+        draft: list[int],
+        rows: np.ndarray,
+        picker: TokenPicker,
+        append: Callable[[Seq, int, TokenLogprob | None], RequestOutput],
+    ) -> RequestOutput:
+        """Pick tokens from ``rows`` as a plain decode would (``picker``, in
+        ``follow_draft``), ``append`` them one by one, and keep the KV of the
+        agreed draft tokens only. Returns the step's tokens as one output."""
+        chosen = follow_draft(draft, rows, lambda row, picked: picker.pick_after(seq, row, picked))
+        self.counters["spec_draft_tokens"] += len(draft)
+        self.counters["spec_accepted_tokens"] += len(chosen) - 1
+        self.drafter.feedback(seq.seq_id, len(chosen) - 1)
+        start = seq.num_computed
+        out: RequestOutput | None = None
+        for j, picked in enumerate(chosen):
+            # Every token but the last one is computed, as in a plain decode
+            # (the runner may hold more until the trim below; KvReuse reads
+            # only up to num_computed).
+            seq.num_computed = start + 1 + j
+            step = append(seq, *picked)
+            out = step if out is None else merge_outputs(out, step)
+            if seq.finish_reason is not None:
+                break
+        if self.runner.kv_len(seq.seq_id) > seq.num_computed:  # unless released
+            self.runner.truncate(seq.seq_id, seq.num_computed)  # drop rejected drafts' KV
+        assert out is not None  # rows always has at least one row
+        return out
+
+    def forget(self, seq_id: int) -> None:
+        self.drafter.forget(seq_id)

@@ -17,6 +17,7 @@ from ..engine.request import (
     SamplingParams,
     StoppingCriteria,
     TokenLogprob,
+    merge_outputs,
 )
 from ..engine.sessions import SessionInfo
 from ..engine.tokenizer import Tokenizer
@@ -159,30 +160,34 @@ def delta(out: RequestOutput) -> generate_pb2.Delta:
 
 def final(outputs: Sequence[RequestOutput]) -> generate_pb2.Final:
     """The ``Final`` event of a finished request, from all of its outputs."""
-    last = outputs[-1]
-    usage = last.usage
-    assert last.finish_reason is not None and usage is not None
+    return _final(merge_outputs(*outputs))
+
+
+def _final(whole: RequestOutput) -> generate_pb2.Final:
+    usage = whole.usage
+    assert whole.finish_reason is not None and usage is not None
     return generate_pb2.Final(
-        token_ids=[t for o in outputs for t in o.token_ids],
-        finish_reason=_FINISH[last.finish_reason],
-        stop_sequence=last.stop_sequence,
-        logprobs=logprobs([lp for o in outputs for lp in o.logprobs]),
+        token_ids=list(whole.token_ids),
+        finish_reason=_FINISH[whole.finish_reason],
+        stop_sequence=whole.stop_sequence,
+        logprobs=logprobs(whole.logprobs),
         usage=common_pb2.Usage(
             prompt_tokens=usage.prompt_tokens,
             completion_tokens=usage.completion_tokens,
             cached_tokens=usage.cached_tokens,
         ),
-        seed=last.seed or 0,
-        session_id=last.session_id or "",
-        session_tokens=last.session_tokens,
-        request_id=last.request_id,
+        seed=whole.seed or 0,
+        session_id=whole.session_id or "",
+        session_tokens=whole.session_tokens,
+        request_id=whole.request_id,
     )
 
 
 def generate_response(outputs: Sequence[RequestOutput]) -> generate_pb2.GenerateResponse:
-    f = final(outputs)
+    whole = merge_outputs(*outputs)
+    f = _final(whole)
     return generate_pb2.GenerateResponse(
-        text="".join(o.text for o in outputs),
+        text=whole.text,
         token_ids=f.token_ids,
         finish_reason=f.finish_reason,
         stop_sequence=f.stop_sequence,
