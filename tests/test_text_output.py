@@ -64,9 +64,7 @@ def test_finish_releases_a_held_back_prefix_of_a_stop() -> None:
 
 def test_a_stop_token_releases_held_text_and_its_own_text_only_when_included() -> None:
     for include, want in ((False, "wo"), (True, "wo<eot>")):
-        out = TextOutput(
-            char_tokenizer(), stop_sequences=("world",), include_stop_sequence=include
-        )
+        out = TextOutput(char_tokenizer(), stop_sequences=("world",), include_stop_sequence=include)
         assert "".join(stream(out, "hello wo")) == "hello "
         assert out.finish_at_stop_token("<eot>") == want
         assert out.stop_sequence == "<eot>"
@@ -121,9 +119,7 @@ def test_merge_joins_tokens_text_and_logprobs_and_keeps_the_last_end_fields() ->
 def test_merge_is_associative_and_one_output_is_itself() -> None:
     outs = outputs()
     assert merge_outputs(outs[0]) is outs[0]
-    assert merge_outputs(merge_outputs(*outs[:2]), merge_outputs(*outs[2:])) == merge_outputs(
-        *outs
-    )
+    assert merge_outputs(merge_outputs(*outs[:2]), merge_outputs(*outs[2:])) == merge_outputs(*outs)
     with pytest.raises(ValueError):
         merge_outputs()
 
