@@ -158,7 +158,7 @@ def test_a_rewritten_session_record_is_not_a_takeover(
     assert a.remote is not None and a.remote.flush(10)
     with pytest.raises(PermissionDenied):
         a.get_session(sid, "bob")
-    real = a._record_key(sid)
+    real = a.session_calls.record_key(sid)
     forger = KvIntegrity.generate()
     with KvStoreClient(kvstore.target, auth_token=DATA_PLANE_TOKEN) as raw:
         public = b"session:" + sid.encode()

@@ -11,12 +11,11 @@ the kvstore waits as a ``PendingCall`` (``restores``) while the steps go on.
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import structlog
@@ -28,47 +27,29 @@ from .kv_reuse import KvReuse
 from .model_dir import ModelSpec, load_model_spec
 from .model_runner import ModelRunner, StepItem, create_runner
 from .request import (
+    EngineInfo,
     FinishReason,
     GenerationRequest,
     GenerationResult,
     RequestOutput,
     TokenLogprob,
-    Usage,
     collect,
     merge_outputs,
 )
-from .restores import HeldOutputs, PendingCall, SessionRestores, with_session
+from .restores import HeldOutputs, ParkedRequests, PendingCall, SessionCalls
 from .sampling_rows import TokenPicker
 from .scheduler import ScheduledBatch, Scheduler
-from .sequence import SeqStatus, Sequence
-from .sessions import Session, SessionInfo, SessionPage, SessionTable, record_key, session_record
+from .sequence import SeqStatus, Sequence, new_sequence
+from .sessions import Session, SessionInfo, SessionPage, SessionTable
 from .speculation import Speculation
-from .text_output import TextOutput
 from .tokenizer import Tokenizer
 from .validation import resolve_max_new_tokens, validate_request
 
 log = structlog.get_logger(__name__)
 
-STORE_CHUNKS_PER_STEP = 2  # chunks of finished sequences copied out per busy step (_store_finished)
 DEFAULT_CONTEXT_LENGTH = 2048  # when neither the graph nor a config says
-DETOKENIZER_CONTEXT = 8  # prompt tokens given to the detokenizer as left context
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    model_id: str
-    context_length: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    kv_dtype: str
-    runner_kind: str
-    has_chat_template: bool
-    kv_chunk_size: int
 
 
 @dataclass(frozen=True)
@@ -122,19 +103,16 @@ class LLMEngine:
             config.sessions.idle_ttl_s,
             persistent=self.remote is not None,
         )
-        self.restores = (
-            SessionRestores(
-                self.remote,
-                self.sessions,
-                self.vocab_size,
-                self._kvstore_timeout_s,
-                self.counters,
-                record_key=self._record_key,
-                max_fetches=config.sessions.max_record_fetches,
-            )
-            if self.remote is not None
-            else None
+        self.session_calls = SessionCalls(
+            self.sessions,
+            self.remote,
+            self.abort,
+            vocab_size=self.vocab_size,
+            timeout_s=self._kvstore_timeout_s,
+            counters=self.counters,
+            max_fetches=config.sessions.max_record_fetches,
         )
+        self.restores = self.session_calls.restores
         # Final outputs of session turns wait for their record to land in the kvstore.
         self._held = (
             HeldOutputs(self.remote, config.kvstore.record_wait_s)
@@ -142,12 +120,9 @@ class LLMEngine:
             else None
         )
         self._requests: dict[str, Sequence] = {}
-        # Requests waiting outside the scheduler for their session's record.
-        self._parked: dict[str, tuple[GenerationRequest, PendingCall]] = {}
-        self._pending: list[RequestOutput] = []
-        # Finished sequences whose slots are kept until their chunks are shared:
-        # the copies are made after their final outputs have gone out.
-        self._finished_kv: list[Sequence] = []
+        self._pending: list[RequestOutput] = []  # outputs due at the next step
+        # Session turns waiting for their record (``_pending`` is swapped each step).
+        self._parked = ParkedRequests(lambda out: self._pending.append(out))
         self.last_step_idle = False  # the last step computed nothing (waiting on I/O)
         self.picker = TokenPicker(self.spec.sampling_defaults, self.tokenizer.token_text)
         self.speculation = (
@@ -192,21 +167,11 @@ class LLMEngine:
                 f"queue: {waiting} requests waiting, the limit is "
                 f"{self.config.scheduler.max_queue}; retry later"
             )
-        queued = with_session(
-            self.sessions,
-            self.restores,
-            request.session_id,
-            request.principal,
-            lambda s: self._queue(request, s),
+        queued = self.session_calls.use(
+            request.session_id, request.principal, lambda s: self._queue(request, s)
         )
         if isinstance(queued, PendingCall):
-            self._parked[rid] = (request, queued)
-            queued.add_done_callback(lambda ok, error: self._unpark(rid, ok, error))
-
-    def _unpark(self, request_id: str, ok: bool, error: Any) -> None:
-        self._parked.pop(request_id, None)
-        if not ok:
-            self._pending.append(RequestOutput(request_id, finished=True, error=error))
+            self._parked.park(request, queued)
 
     def _queue(self, request: GenerationRequest, session: Session | None) -> None:
         history = session.history if session is not None else []
@@ -220,7 +185,14 @@ class LLMEngine:
         if session is not None:
             self.sessions.begin_turn(session.session_id, request.request_id)
         try:
-            seq = self._make_sequence(request, history, session)
+            seq = new_sequence(
+                request,
+                history,
+                session,
+                tokenizer=self.tokenizer.inner,
+                eos_token_ids=self.spec.eos_token_ids,
+                max_new_tokens=resolve_max_new_tokens(request, self.config.limits),
+            )
             self.scheduler.add(seq)
             self.kv_reuse.start_prefetch(seq)
         except GenAIError:
@@ -232,19 +204,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now; its final output (``CANCELLED``) comes from the next step."""
-        parked = self._parked.pop(request_id, None)
-        if parked is not None:
-            request, pending = parked
-            pending.cancel()
-            self._pending.append(
-                RequestOutput(
-                    request_id,
-                    finished=True,
-                    finish_reason=FinishReason.CANCELLED,
-                    usage=Usage(len(request.prompt_token_ids), 0, 0),
-                    session_id=request.session_id,
-                )
-            )
+        if self._parked.cancel(request_id):
             self.counters["requests_aborted"] += 1
             return True
         seq = self._requests.get(request_id)
@@ -256,7 +216,7 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return (
-            bool(self._pending or self._held or self._finished_kv or self.restores)
+            bool(self._pending or self._held or self.kv_reuse.finished or self.restores)
             or self.scheduler.has_work()
         )
 
@@ -329,7 +289,8 @@ class LLMEngine:
             raise result.value
         return result.value  # type: ignore[no-any-return]
 
-    # sessions
+    # sessions: the calls that take a session id answer a ``PendingCall`` when
+    # the session must first come from its kvstore record (``SessionCalls``).
 
     def create_session(
         self,
@@ -337,74 +298,23 @@ class LLMEngine:
         owner: str = "",
         metadata: dict[str, str] | None = None,
     ) -> SessionInfo:
-        session = self.sessions.create(idle_ttl_s, owner, metadata)
-        self._save_session(session)
-        return SessionTable.info(session)
-
-    # The calls below that take a session id answer a ``PendingCall`` when
-    # the session must first come from its kvstore record (``restores.with_session``).
+        return self.session_calls.create(idle_ttl_s, owner, metadata)
 
     def get_session(self, session_id: str, principal: str = "") -> SessionInfo | PendingCall:
-        return with_session(self.sessions, self.restores, session_id, principal, SessionTable.info)
+        return self.session_calls.get(session_id, principal)
 
     def reset_session(self, session_id: str, principal: str = "") -> SessionInfo | PendingCall:
-        def reset(session: Session) -> SessionInfo:
-            session = self.sessions.reset(session.session_id)
-            self._save_session(session)
-            return SessionTable.info(session)
-
-        return with_session(self.sessions, self.restores, session_id, principal, reset)
+        return self.session_calls.reset(session_id, principal)
 
     def close_session(self, session_id: str, principal: str = "") -> SessionInfo | PendingCall:
-        def close(session: Session) -> SessionInfo:
-            if session.running_request_id is not None:
-                self.abort(session.running_request_id)  # closing cancels a running turn
-            if self.remote is not None:
-                self.remote.delete_record(self._record_key(session_id))
-            return SessionTable.info(self.sessions.close(session_id))
-
-        return with_session(self.sessions, self.restores, session_id, principal, close)
+        return self.session_calls.close(session_id, principal)
 
     def list_sessions(
         self, principal: str = "", page_size: int = 0, page_token: str = ""
     ) -> SessionPage:
-        """One page of the sessions in memory that ``principal`` owns (all of
-        them when auth is off); see ``SessionTable.page``."""
-        sessions, token = self.sessions.page(principal or None, page_size, page_token)
-        return SessionPage([SessionTable.info(s) for s in sessions], token)
+        return self.session_calls.page(principal, page_size, page_token)
 
     # -- internals ---------------------------------------------------------------
-
-    def _make_sequence(
-        self, request: GenerationRequest, history: list[int], session: Session | None
-    ) -> Sequence:
-        stopping = request.stopping
-        seed = request.sampling.seed
-        if seed is None:
-            seed = secrets.randbits(63)
-        token_ids = list(history) + list(request.prompt_token_ids)
-        deadline = None
-        if stopping.time_limit_ms is not None:
-            deadline = time.monotonic() + stopping.time_limit_ms / 1000.0
-        return Sequence(
-            request=request,
-            token_ids=token_ids,
-            prompt_len=len(token_ids),
-            max_new_tokens=resolve_max_new_tokens(request, self.config.limits),
-            eos_token_ids=frozenset(() if stopping.ignore_eos else self.spec.eos_token_ids),
-            stop_token_ids=frozenset(stopping.stop_token_ids),
-            rng=np.random.default_rng(seed),
-            seed=seed,
-            text=TextOutput(
-                self.tokenizer.inner,
-                token_ids[-DETOKENIZER_CONTEXT:],
-                skip_special_tokens=request.skip_special_tokens,
-                stop_sequences=stopping.stop_sequences,
-                include_stop_sequence=stopping.include_stop_sequence,
-            ),
-            deadline=deadline,
-            session=session,
-        )
 
     def _housekeeping(self) -> tuple[list[RequestOutput], int]:
         """Before a step: resume calls and requests whose session record
@@ -504,7 +414,7 @@ class LLMEngine:
         if seq.session is not None and self._held is not None:
             # Answer only once the session record is visible to other replicas,
             # so the next turn may go to any of them.
-            self._held.hold(self._record_key(seq.session.session_id), final)
+            self._held.hold(self.session_calls.record_key(seq.session.session_id), final)
             return delta
         return merge_outputs(delta, final)
 
@@ -517,12 +427,12 @@ class LLMEngine:
         session = seq.session
         commit = False
         if session is not None:
-            if abort:
-                self._restore_session_after_abort(seq, session)
-            else:
+            if abort and seq.status is SeqStatus.RUNNING:
+                self.kv_reuse.keep_history(seq, session)
+            elif not abort:
                 session.history = list(seq.token_ids)
                 session.turns += 1
-                self._save_session(session)
+                self.session_calls.save(session)
                 # The last sampled token has no KV yet: compute it next step so
                 # the next turn reuses the whole history.
                 commit = seq.num_pending == 1 and seq.status is SeqStatus.RUNNING
@@ -534,47 +444,20 @@ class LLMEngine:
             self._retire(seq)
         self.counters["requests_finished"] += 1
         self.counters["generated_tokens"] += len(seq.output_ids)
-        out = RequestOutput(
-            seq.request_id,
-            finished=True,
-            finish_reason=reason,
-            stop_sequence=seq.text.stop_sequence,
-            usage=Usage(seq.prompt_len, len(seq.output_ids), seq.num_cached),
-            seed=seq.seed,
-            session_id=session.session_id if session else None,
-            session_tokens=len(session.history) if session else 0,
-        )
+        out = seq.final_output()
         if emit:
             self._pending.append(out)
         return out
 
     def _store_finished(self, *, all_now: bool = False) -> int:
-        """Share the chunks of sequences that finished in earlier steps (their
-        final outputs have gone out), then free their slots. While other
-        sequences run, a few chunks per step, so a long context's copy never
-        stalls them much; but as many slots as waiting requests need are freed
-        now, whatever their copies cost. Returns the chunks copied."""
-        scheduler = self.scheduler
-        budgeted = scheduler.has_work() and not all_now
+        """Share the chunks of sequences that finished in earlier steps, a few
+        per step while others run, and free as many slots as waiting requests
+        need now (``KvReuse.store_finished``). Returns the chunks copied."""
+        scheduler, finished = self.scheduler, len(self.kv_reuse.finished)
         # Slots the waiting requests could take that only finished sequences hold.
-        occupied = len(scheduler.running) + len(self._finished_kv)
-        must_free = min(
-            len(self._finished_kv),
-            scheduler.num_waiting - (self.config.scheduler.max_num_seqs - occupied),
-        )
-        copied = 0
-        while self._finished_kv:
-            seq = self._finished_kv[0]
-            if must_free > 0 or not budgeted:
-                must_free -= 1
-                copied += self.kv_reuse.store(seq)
-            elif copied < STORE_CHUNKS_PER_STEP:
-                copied += self.kv_reuse.store(seq, STORE_CHUNKS_PER_STEP - copied)
-            if self.kv_reuse.unstored(seq):
-                break
-            self._finished_kv.pop(0)
-            self.runner.release(seq.seq_id)
-        return copied
+        free = self.config.scheduler.max_num_seqs - len(scheduler.running) - finished
+        must_free = min(finished, scheduler.num_waiting - free)
+        return self.kv_reuse.store_finished(must_free, scheduler.has_work() and not all_now)
 
     def flush_finished(self) -> None:
         """Share every finished sequence's chunks and free their slots now."""
@@ -586,38 +469,18 @@ class LLMEngine:
         if self.speculation is not None:
             self.speculation.forget(seq.seq_id)
         self.scheduler.remove(seq)
-        if shareable and self.kv_reuse.unstored(seq):
-            self._finished_kv.append(seq)  # stored and released by a later step
-        else:
-            self.kv_reuse.untrack(seq)
-            self.runner.release(seq.seq_id)
-
-    def _restore_session_after_abort(self, seq: Sequence, session: Session) -> None:
-        """An aborted turn leaves the history as it was; keep its KV if we have it."""
-        n = len(session.history)
-        if seq.status is SeqStatus.RUNNING and self.runner.kv_len(seq.seq_id) >= n > 0:
-            session.kv, session.kv_len = self.kv_reuse.snapshot(seq, n), n
+        self.kv_reuse.retire(seq, shareable)
 
     def _park_session(self, seq: Sequence) -> None:
+        """A session turn's last token is computed: park its KV with the session."""
         session = seq.session
         assert session is not None  # only session sequences commit
-        n = self.runner.kv_len(seq.seq_id)
-        if len(session.history) == n and session.session_id in self.sessions:
-            # Chunks go to the prefix index first, so the parked KV shares them.
-            self.kv_reuse.store(seq)
-            session.kv, session.kv_len = self.kv_reuse.snapshot(seq, n), n
+        if session.session_id in self.sessions:
+            self.kv_reuse.park(seq, session)
         session.committing = False
         self._retire(seq)
         dropped = self.sessions.trim_parked_kv(self.config.sessions.max_parked_kv_bytes)
         self.counters["session_kv_evicted"] += dropped
-
-    def _record_key(self, session_id: str) -> bytes:
-        assert self.remote is not None  # records live in the kvstore
-        return record_key(session_id, self.remote.integrity.key_id)
-
-    def _save_session(self, session: Session) -> None:
-        if self.remote is not None:
-            self.remote.put_record(self._record_key(session.session_id), session_record(session))
 
     def _fail(self, seq: Sequence, error: GenAIError) -> None:
         if seq.status is SeqStatus.COMMITTING:

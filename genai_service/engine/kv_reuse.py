@@ -15,8 +15,12 @@ model's, plus its prefix-sharing scope (the principal under scope
 "principal"; a session turn uses its owner's) and its ``cache_salt``, so
 requests in different scopes never reuse each other's KV.
 
+A finished sequence keeps its runner slot until its chunks are shared
+(``retire``, then ``store_finished`` in later steps, after its final output has
+gone out); a session turn's KV is parked with its session (``park``).
+
 Plain Python + numpy; never imports onnxruntime: the runner is used only
-through ``kv_len``/``read_kv``/``write_kv``.
+through ``kv_len``/``read_kv``/``write_kv``/``release``.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ if TYPE_CHECKING:
     from .model_runner import ModelRunner
     from .prefix_cache import KvLayers
     from .sequence import Sequence
+    from .sessions import Session
+
+STORE_CHUNKS_PER_STEP = 2  # chunks of finished sequences copied out per busy step
 
 
 class KvReuse:
@@ -66,6 +73,8 @@ class KvReuse:
         # fresh memory), so it waits until the sequence finishes and its last
         # token is out, unless a new prompt needs the chunks sooner (``_share_running``).
         self._unshared: list[Sequence] = []
+        # Finished sequences whose slots are kept until their chunks are shared.
+        self.finished: list[Sequence] = []
 
     @classmethod
     def for_model(
@@ -232,6 +241,50 @@ class KvReuse:
         if start < n:
             chunks.append(self.runner.read_kv(seq.seq_id, start, n))
         return chunks
+
+    def retire(self, seq: Sequence, shareable: bool) -> None:
+        """``seq`` has finished: free its slot now, or, if it is ``shareable``
+        and has chunks to share, once ``store_finished`` has copied them."""
+        if shareable and self.unstored(seq):
+            self.finished.append(seq)
+        else:
+            self.untrack(seq)
+            self.runner.release(seq.seq_id)
+
+    def store_finished(self, must_free: int, budgeted: bool) -> int:
+        """Share the chunks of the ``finished`` sequences, then free their
+        slots. ``budgeted`` (other sequences run): a few chunks per step, so a
+        long context's copy never stalls them much; but the first ``must_free``
+        slots are freed now, whatever their copies cost. Returns the chunks copied."""
+        copied = 0
+        while self.finished:
+            seq = self.finished[0]
+            if must_free > 0 or not budgeted:
+                must_free -= 1
+                copied += self.store(seq)
+            elif copied < STORE_CHUNKS_PER_STEP:
+                copied += self.store(seq, STORE_CHUNKS_PER_STEP - copied)
+            if self.unstored(seq):
+                break
+            self.finished.pop(0)
+            self.runner.release(seq.seq_id)
+        return copied
+
+    def park(self, seq: Sequence, session: Session) -> None:
+        """Park the KV of ``seq`` with its session once a turn has computed the
+        whole history; its chunks go to the prefix index first, so the parked
+        KV shares them."""
+        n = self.runner.kv_len(seq.seq_id)
+        if len(session.history) == n:
+            self.store(seq)
+            session.kv, session.kv_len = self.snapshot(seq, n), n
+
+    def keep_history(self, seq: Sequence, session: Session) -> None:
+        """An aborted turn leaves the history as it was: park its KV if ``seq``
+        (running) has computed all of it."""
+        n = len(session.history)
+        if self.runner.kv_len(seq.seq_id) >= n > 0:
+            session.kv, session.kv_len = self.snapshot(seq, n), n
 
     # -- internals ---------------------------------------------------------------
 

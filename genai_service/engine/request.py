@@ -148,6 +148,23 @@ class GenerationResult:
     session_tokens: int
 
 
+@dataclass(frozen=True)
+class EngineInfo:
+    """The served model, as the frontend needs it (GetModelInfo, tokenizing)."""
+
+    model_id: str
+    context_length: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: str
+    runner_kind: str
+    has_chat_template: bool
+    kv_chunk_size: int
+
+
 def merge_outputs(*outputs: RequestOutput) -> RequestOutput:
     """Consecutive outputs of one request as one: their tokens, text and
     logprobs joined, the last one's end fields (finish reason, usage, ...).

@@ -7,9 +7,11 @@ starts the fetch on the connector's thread, and the call that needs the
 session (a GetSession, a turn, ...) waits as a ``PendingCall`` while the
 engine keeps stepping every other sequence. Each step ``poll`` adopts the
 records that have arrived into the session table and resumes their waiters.
-``with_session`` is how the engine's session calls use it. The other way,
-``HeldOutputs`` keeps a turn's final output until its session's record is
-visible in the kvstore.
+``SessionCalls`` are the engine's session calls on top of that: they save
+every change as a record and wait for a record (``with_session``) when the
+session is not in memory; a turn for such a session waits in
+``ParkedRequests``. The other way, ``HeldOutputs`` keeps a turn's final
+output until its session's record is visible in the kvstore.
 
 Plain Python: futures from the ``KvChunkStore``, no network here.
 """
@@ -26,8 +28,18 @@ import structlog
 
 from ..errors import GenAIError, Internal, PermissionDenied, ResourceExhausted
 from .kv_connector import KvChunkStore
-from .request import RequestOutput
-from .sessions import Session, SessionTable, is_session_id, not_found, session_from_record
+from .request import FinishReason, GenerationRequest, RequestOutput, Usage
+from .sessions import (
+    Session,
+    SessionInfo,
+    SessionPage,
+    SessionTable,
+    is_session_id,
+    not_found,
+    record_key,
+    session_from_record,
+    session_record,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -185,6 +197,125 @@ def owned(session: Session, principal: str) -> Session:
             f"session_id: session {session.session_id!r} belongs to another principal"
         )
     return session
+
+
+class SessionCalls:
+    """The engine's session calls (CreateSession ... ListSessions) on its
+    ``table``; with a kvstore (``remote``) each change is saved as the
+    session's record, and a call for a session not in memory answers a
+    ``PendingCall`` resolved once the record has arrived (``restores``)."""
+
+    def __init__(
+        self,
+        table: SessionTable,
+        remote: KvChunkStore | None,
+        abort: Callable[[str], bool],
+        *,
+        vocab_size: int,
+        timeout_s: float,
+        counters: Counter[str],
+        max_fetches: int,
+    ) -> None:
+        self.table = table
+        self.remote = remote
+        self._abort = abort  # the engine's: closing a session cancels its running turn
+        self.restores = (
+            SessionRestores(
+                remote, table, vocab_size, timeout_s, counters, self.record_key, max_fetches
+            )
+            if remote is not None
+            else None
+        )
+
+    def record_key(self, session_id: str) -> bytes:
+        assert self.remote is not None  # records live in the kvstore
+        return record_key(session_id, self.remote.integrity.key_id)
+
+    def save(self, session: Session) -> None:
+        if self.remote is not None:
+            self.remote.put_record(self.record_key(session.session_id), session_record(session))
+
+    def use(self, session_id: str, principal: str, then: Callable[[Session], T]) -> T | PendingCall:
+        """``with_session`` on this table and its restores."""
+        return with_session(self.table, self.restores, session_id, principal, then)
+
+    def create(
+        self, idle_ttl_s: float | None, owner: str, metadata: dict[str, str] | None
+    ) -> SessionInfo:
+        session = self.table.create(idle_ttl_s, owner, metadata)
+        self.save(session)
+        return SessionTable.info(session)
+
+    def get(self, session_id: str, principal: str) -> SessionInfo | PendingCall:
+        return self.use(session_id, principal, SessionTable.info)
+
+    def reset(self, session_id: str, principal: str) -> SessionInfo | PendingCall:
+        def reset(session: Session) -> SessionInfo:
+            session = self.table.reset(session.session_id)
+            self.save(session)
+            return SessionTable.info(session)
+
+        return self.use(session_id, principal, reset)
+
+    def close(self, session_id: str, principal: str) -> SessionInfo | PendingCall:
+        def close(session: Session) -> SessionInfo:
+            if session.running_request_id is not None:
+                self._abort(session.running_request_id)  # closing cancels a running turn
+            if self.remote is not None:
+                self.remote.delete_record(self.record_key(session_id))
+            return SessionTable.info(self.table.close(session_id))
+
+        return self.use(session_id, principal, close)
+
+    def page(self, principal: str, page_size: int, page_token: str) -> SessionPage:
+        """One page of the sessions in memory that ``principal`` owns (all of
+        them when auth is off); see ``SessionTable.page``."""
+        sessions, token = self.table.page(principal or None, page_size, page_token)
+        return SessionPage([SessionTable.info(s) for s in sessions], token)
+
+
+class ParkedRequests:
+    """Session turns waiting outside the scheduler for their session's record
+    (``PendingCall``s that queue the turn once it has arrived). A turn that
+    then cannot run, or is cancelled meanwhile, has its one output ``emit``ted."""
+
+    def __init__(self, emit: Callable[[RequestOutput], None]) -> None:
+        self._emit = emit
+        self._parked: dict[str, tuple[GenerationRequest, PendingCall]] = {}
+
+    def __len__(self) -> int:
+        return len(self._parked)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._parked
+
+    def park(self, request: GenerationRequest, pending: PendingCall) -> None:
+        rid = request.request_id
+        self._parked[rid] = (request, pending)
+        pending.add_done_callback(lambda ok, error: self._unpark(rid, ok, error))
+
+    def _unpark(self, request_id: str, ok: bool, error: Any) -> None:
+        self._parked.pop(request_id, None)
+        if not ok:
+            self._emit(RequestOutput(request_id, finished=True, error=error))
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a parked turn (its output: ``CANCELLED``); False if none is parked."""
+        parked = self._parked.pop(request_id, None)
+        if parked is None:
+            return False
+        request, pending = parked
+        pending.cancel()
+        self._emit(
+            RequestOutput(
+                request_id,
+                finished=True,
+                finish_reason=FinishReason.CANCELLED,
+                usage=Usage(len(request.prompt_token_ids), 0, 0),
+                session_id=request.session_id,
+            )
+        )
+        return True
 
 
 class HeldOutputs:

@@ -11,19 +11,24 @@ from __future__ import annotations
 
 import enum
 import itertools
+import secrets
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
+import tokenizers
 
-from .request import FinishReason, GenerationRequest
+from .request import FinishReason, GenerationRequest, RequestOutput, Usage
+from .text_output import TextOutput
 
 if TYPE_CHECKING:
     from .prefix_cache import KvLayers
     from .sessions import Session
-    from .text_output import TextOutput
+
+DETOKENIZER_CONTEXT = 8  # prompt tokens given to the detokenizer as left context
 
 
 class SeqStatus(enum.Enum):
@@ -82,7 +87,63 @@ class Sequence:
             return FinishReason.TIME_LIMIT
         return None
 
+    def final_output(self) -> RequestOutput:
+        """The last output of a finished request: why it finished, usage, seed
+        and its session's state."""
+        session = self.session
+        return RequestOutput(
+            self.request_id,
+            finished=True,
+            finish_reason=self.finish_reason,
+            stop_sequence=self.text.stop_sequence,
+            usage=Usage(self.prompt_len, len(self.output_ids), self.num_cached),
+            seed=self.seed,
+            session_id=session.session_id if session else None,
+            session_tokens=len(session.history) if session else 0,
+        )
+
     @property
     def priority_key(self) -> tuple[int, float, int]:
         # Higher priority first, then first come first served.
         return (-int(self.request.priority), self.arrival, self.seq_id)
+
+
+def new_sequence(
+    request: GenerationRequest,
+    history: list[int],
+    session: Session | None,
+    *,
+    tokenizer: tokenizers.Tokenizer,
+    eos_token_ids: Iterable[int],
+    max_new_tokens: int,
+) -> Sequence:
+    """A validated request's state as it is queued: its context (the session's
+    ``history``, then the prompt), its seed (the request's, else a random one
+    that the final output reports), stop rules, text output and deadline."""
+    stopping = request.stopping
+    seed = request.sampling.seed
+    if seed is None:
+        seed = secrets.randbits(63)
+    token_ids = list(history) + list(request.prompt_token_ids)
+    deadline = None
+    if stopping.time_limit_ms is not None:
+        deadline = time.monotonic() + stopping.time_limit_ms / 1000.0
+    return Sequence(
+        request=request,
+        token_ids=token_ids,
+        prompt_len=len(token_ids),
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=frozenset(() if stopping.ignore_eos else eos_token_ids),
+        stop_token_ids=frozenset(stopping.stop_token_ids),
+        rng=np.random.default_rng(seed),
+        seed=seed,
+        text=TextOutput(
+            tokenizer,
+            token_ids[-DETOKENIZER_CONTEXT:],
+            skip_special_tokens=request.skip_special_tokens,
+            stop_sequences=stopping.stop_sequences,
+            include_stop_sequence=stopping.include_stop_sequence,
+        ),
+        deadline=deadline,
+        session=session,
+    )

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from .._proto.genai.v1 import common_pb2, generate_pb2, model_pb2, session_pb2
-from ..engine.engine import EngineInfo
 from ..engine.request import (
+    EngineInfo,
     FinishReason,
     GenerationRequest,
     Priority,
