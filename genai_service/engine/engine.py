@@ -63,6 +63,11 @@ class _Computed:
     verified: list[tuple[Sequence, list[int], np.ndarray]] = field(default_factory=list)
 
 
+def _step_item(seq: Sequence, tokens: list[int] | tuple[int, ...]) -> StepItem:
+    """``tokens`` fed to ``seq`` from its first position without KV."""
+    return StepItem(seq.seq_id, tokens, seq.num_computed)
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -337,16 +342,15 @@ class LLMEngine:
         drafts = spec.drafts(batch.items, self.context_length) if spec else {}
         plain = [item for item in batch.items if item[0].seq_id not in drafts]
         items = [
-            StepItem(
-                seq.seq_id, seq.token_ids[seq.num_computed : seq.num_computed + n], seq.num_computed
-            )
+            _step_item(seq, seq.token_ids[seq.num_computed : seq.num_computed + n])
             for seq, n in plain
         ]
         try:
             verified = [
-                (seq, draft, spec.verify(seq, draft))
+                # The last token and the draft, in one step: [len(draft) + 1, vocab] logits.
+                (seq, draft, self.runner.verify(_step_item(seq, (seq.token_ids[-1], *draft))))
                 for seq, _ in batch.items
-                if spec and (draft := drafts.get(seq.seq_id))
+                if (draft := drafts.get(seq.seq_id))
             ]
             logits = self.runner.run(items) if items else None
         except Exception as exc:  # an ORT failure must not take the engine down

@@ -18,16 +18,18 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
 from ..config import SpeculationConfig
-from .model_runner import ModelRunner, StepItem
 from .request import RequestOutput, TokenLogprob, merge_outputs
 from .sampling_rows import TokenPicker
 from .sequence import SeqStatus
 from .sequence import Sequence as Seq
+
+if TYPE_CHECKING:
+    from .model_runner import ModelRunner
 
 T = TypeVar("T")
 
@@ -150,7 +152,7 @@ def follow_draft(
 
 class Speculation:
     """Speculative decoding in the engine (``config.speculation``): a step's
-    drafts, their verification, and the tokens kept of each."""
+    drafts and, once the runner has verified them, the tokens kept of each."""
 
     def __init__(
         self, config: SpeculationConfig, runner: ModelRunner, counters: Counter[str]
@@ -167,12 +169,6 @@ class Speculation:
     def drafts(self, items: Sequence[tuple[Seq, int]], context_length: int) -> dict[int, list[int]]:
         """seq_id -> draft for the sequences of a step (``PromptLookup.drafts``)."""
         return self.drafter.drafts(items, context_length)
-
-    def verify(self, seq: Seq, draft: list[int]) -> np.ndarray:
-        """Feed the sequence's last token followed by the draft in one step;
-        the logits after each of them, [len(draft) + 1, vocab]."""
-        item = StepItem(seq.seq_id, (seq.token_ids[-1], *draft), seq.num_computed)
-        return self.runner.verify(item)
 
     def accept(
         self,
