@@ -568,7 +568,7 @@ def test_dockerfile_user_and_version_match_the_manifests() -> None:
     # The stub generation is the Makefile's (same protoc outputs, same rewrite).
     for fragment in ("--python_out=", "--pyi_out=", "--grpc_python_out=", "-Iprotos"):
         assert fragment in makefile and fragment in dockerfile
-    rewrite = "s/^from (genai|kvstore)(\\.v1)? import/from genai_service._proto.\\1\\2 import/"
+    rewrite = "s/^from (genai|kvstore)(\\.v1)? import/from genai_proto.\\1\\2 import/"
     assert rewrite in makefile and rewrite in dockerfile
 
 
