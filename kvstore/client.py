@@ -143,7 +143,8 @@ class AsyncKvStoreClient(_ClientBase):
     ``target`` is "host:port"; ``auth_token`` is sent as a bearer token;
     ``timeout_s`` is the default deadline of each call (each method takes a
     ``timeout_s`` override); ``credentials`` selects TLS; ``verify`` turns off
-    the client-side checksum check (the KV payload has its own, see genai_service/engine/kv_codec.py).
+    the client-side checksum check (the KV payload has its own, see
+    genai_service/engine/kv_codec.py).
     """
 
     _grpc = grpc.aio
