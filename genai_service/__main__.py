@@ -12,6 +12,8 @@ from typing import Any
 
 import structlog
 
+from genai_common.credentials import read_secret_file
+from genai_common.logging import configure_logging
 from kvstore.protocol import AUTH_TOKEN_ENV
 
 from .config import (
@@ -26,9 +28,7 @@ from .config import (
     SessionConfig,
     SpeculationConfig,
 )
-from .credentials import read_secret_file
 from .engine.kv_integrity import MIN_SECRET_BYTES
-from .logging import configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:

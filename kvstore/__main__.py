@@ -15,8 +15,8 @@ from collections.abc import Mapping, Sequence
 
 import structlog
 
-from genai_service.credentials import read_secret_file
-from genai_service.logging import configure_logging
+from genai_common.credentials import read_secret_file
+from genai_common.logging import configure_logging
 from kvstore.protocol import AUTH_TOKEN_ENV
 from kvstore.server import KvStoreConfig, serve
 

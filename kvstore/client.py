@@ -17,8 +17,8 @@ from typing import Any
 
 import grpc
 
-from genai_service._proto.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
-from kvstore.blob import ChecksumError, checksum, verify_checksum
+from genai_proto.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from kvstore.checksum import ChecksumError, checksum, verify_checksum
 from kvstore.protocol import CHANNEL_OPTIONS, key_error, split_frames
 from kvstore.stats import PutResult, StoreStats, TierStats
 
@@ -143,7 +143,8 @@ class AsyncKvStoreClient(_ClientBase):
     ``target`` is "host:port"; ``auth_token`` is sent as a bearer token;
     ``timeout_s`` is the default deadline of each call (each method takes a
     ``timeout_s`` override); ``credentials`` selects TLS; ``verify`` turns off
-    the client-side checksum check (the KV payload has its own, see blob.py).
+    the client-side checksum check (the KV payload has its own, see
+    genai_service/engine/kv_codec.py).
     """
 
     _grpc = grpc.aio

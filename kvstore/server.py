@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import hashlib
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,10 +21,13 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from genai_service._proto.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
-from genai_service.credentials import server_credentials
-from genai_service.decoding import TolerantDecoding, Undecodable
-from genai_service.errors import DataLoss, GenAIError, InvalidArgument, NotFound
+from genai_common.credentials import server_credentials
+from genai_common.decoding import TolerantDecoding, Undecodable
+from genai_common.errors import DataLoss, GenAIError, InvalidArgument, NotFound
+from genai_common.status import status_code
+from genai_proto.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from kvstore.checksum import DIGEST_SIZES
+from kvstore.checksum import hasher as new_hasher
 from kvstore.disk_tier import DiskTier
 from kvstore.memory_tier import MemoryTier, StoredBlob
 from kvstore.protocol import (
@@ -99,7 +101,7 @@ async def _abort_for(exc: BaseException, rpc: str, context: grpc.aio.ServicerCon
         # Misses are routine on a cache; refusals that point at a bug are not.
         level = logging.DEBUG if exc.code == "NOT_FOUND" else logging.WARNING
         log.log(level, "kvstore rpc refused", rpc=rpc, code=exc.code, reason=exc.message)
-        await context.abort(getattr(grpc.StatusCode, exc.code), exc.message)
+        await context.abort(status_code(exc), exc.message)
     log.exception("kvstore rpc failed", rpc=rpc)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {rpc}")
 
@@ -208,7 +210,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
                     # Blobs are kept as first stored: answer now, the client stops sending.
                     return kvstore_pb2.PutResponse(already_present=True)
                 self._store.check_fits(header.total_size_bytes)
-                hasher = hashlib.blake2b(digest_size=len(header.checksum))
+                hasher = new_hasher(len(header.checksum))
                 continue
             if kind != "data":
                 raise InvalidArgument(f"frame is {kind!r} after the header; only data may follow")
@@ -239,7 +241,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
 
     def _check_header(self, header: kvstore_pb2.BlobHeader) -> None:
         _check_key(header.key, "header.key")
-        if len(header.checksum) not in (16, 32):
+        if len(header.checksum) not in DIGEST_SIZES:
             raise InvalidArgument(
                 f"header.checksum is {len(header.checksum)} bytes; allowed 16 or 32 (blake2b)"
             )

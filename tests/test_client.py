@@ -33,7 +33,7 @@ from genai_client import (
     SessionInfo,
 )
 from genai_client.cli import main as cli_main
-from genai_service._proto.genai.v1 import (
+from genai_proto.genai.v1 import (
     common_pb2,
     generate_pb2,
     generate_pb2_grpc,

@@ -568,8 +568,16 @@ def test_dockerfile_user_and_version_match_the_manifests() -> None:
     # The stub generation is the Makefile's (same protoc outputs, same rewrite).
     for fragment in ("--python_out=", "--pyi_out=", "--grpc_python_out=", "-Iprotos"):
         assert fragment in makefile and fragment in dockerfile
-    rewrite = "s/^from (genai|kvstore)(\\.v1)? import/from genai_service._proto.\\1\\2 import/"
+    rewrite = "s/^from (genai|kvstore)(\\.v1)? import/from genai_proto.\\1\\2 import/"
     assert rewrite in makefile and rewrite in dockerfile
+    # Every package the distribution lists is copied in (the stubs are generated there),
+    # and the servers' dependencies come with the `server` extra.
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    for pattern in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]:
+        package = pattern.rstrip("*")
+        assert package == "genai_proto" or f"COPY {package}/ {package}/" in dockerfile, package
+    assert "pip install '.[server]'" in dockerfile
+    assert "'.[server,dev]'" in makefile
 
 
 @pytest.mark.parametrize("name", RENDERINGS)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from genai_service._proto.genai.v1 import generate_pb2, model_pb2, session_pb2
-from genai_service._proto.kvstore.v1 import kvstore_pb2
+from genai_proto.genai.v1 import generate_pb2, model_pb2, session_pb2
+from genai_proto.kvstore.v1 import kvstore_pb2
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,7 @@ from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from genai_service._proto.genai.v1 import (
+from genai_proto.genai.v1 import (
     common_pb2,
     generate_pb2,
     generate_pb2_grpc,

@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from genai_service._proto.genai.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from genai_proto.genai.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from genai_service.config import CacheConfig, EngineConfig, ServerConfig
 from tests.server_harness import ServerThread, free_port
 

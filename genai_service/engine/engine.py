@@ -21,14 +21,21 @@ from typing import Any, TypeVar
 import numpy as np
 import structlog
 
+from genai_common.errors import (
+    GenAIError,
+    Internal,
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+)
+
 from ..config import EngineConfig
-from ..errors import GenAIError, Internal, InvalidArgument, PermissionDenied, ResourceExhausted
 from . import sampler as sampling
 from .detokenizer import IncrementalDetokenizer
 from .kv_connector import KvChunkStore
 from .kv_reuse import KvReuse
 from .model_dir import ModelSpec, load_model_spec
-from .model_runner import ModelRunner, StepItem, create_runner
+from .model_runner import ModelRunner, StepItem
 from .request import (
     FinishReason,
     GenerationRequest,
@@ -40,6 +47,7 @@ from .request import (
     merge_outputs,
 )
 from .restores import PendingCall, SessionRestores
+from .runners import create_runner
 from .sampling_rows import plain_greedy, sampling_row, token_logprob
 from .scheduler import Scheduler
 from .sequence import SeqStatus, Sequence

@@ -37,10 +37,11 @@ import grpc
 import numpy as np
 import structlog
 
-from genai_service.credentials import channel_credentials
-from kvstore.blob import BlobError, ChecksumError, KvHeader, pack_kv, unpack_kv
+from genai_common.credentials import channel_credentials
+from kvstore.checksum import ChecksumError
 from kvstore.client import AsyncKvStoreClient
 
+from .kv_codec import BlobError, KvHeader, pack_kv, unpack_kv
 from .kv_integrity import IntegrityError, KvIntegrity
 from .prefix_cache import KvLayers
 

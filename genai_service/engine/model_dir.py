@@ -24,7 +24,7 @@ from typing import Any
 
 import onnx
 
-from genai_service.errors import ModelLoadError
+from genai_common.errors import ModelLoadError
 
 # Public config names stay importable from here (``X as X``: re-exported on purpose).
 from .model_config import CHAT_TEMPLATE_FILE as CHAT_TEMPLATE_FILE

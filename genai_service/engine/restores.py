@@ -20,7 +20,8 @@ from typing import Any
 
 import structlog
 
-from ..errors import GenAIError, Internal, ResourceExhausted
+from genai_common.errors import GenAIError, Internal, ResourceExhausted
+
 from .kv_connector import KvChunkStore
 from .sessions import SessionTable, is_session_id, session_from_record
 

@@ -33,8 +33,9 @@ from typing import Any
 
 import structlog
 
+from genai_common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+
 from ..config import SESSION_LIST_PAGE_BYTES, SessionConfig
-from ..errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from .prefix_cache import kv_nbytes
 
 log = structlog.get_logger(__name__)

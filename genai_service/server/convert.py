@@ -7,7 +7,9 @@ from collections.abc import Sequence
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from .._proto.genai.v1 import common_pb2, generate_pb2, model_pb2, session_pb2
+from genai_common.errors import InvalidArgument
+from genai_proto.genai.v1 import common_pb2, generate_pb2, model_pb2, session_pb2
+
 from ..engine.engine import EngineInfo
 from ..engine.request import (
     FinishReason,
@@ -20,7 +22,6 @@ from ..engine.request import (
 )
 from ..engine.sessions import SessionInfo
 from ..engine.tokenizer import Tokenizer
-from ..errors import InvalidArgument
 
 _PRIORITY = {
     common_pb2.PRIORITY_UNSPECIFIED: Priority.NORMAL,

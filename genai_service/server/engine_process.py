@@ -41,10 +41,11 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from genai_common.errors import GenAIError, Internal, InvalidArgument, Unavailable
+
 from ..config import EngineConfig
 from ..engine.request import GenerationRequest, RequestOutput, merge_outputs
 from ..engine.restores import PendingCall
-from ..errors import GenAIError, Internal, InvalidArgument, Unavailable
 
 if TYPE_CHECKING:
     from ..engine.engine import LLMEngine
@@ -107,9 +108,10 @@ class _Outbox:
 
 def _engine_main(config: EngineConfig, conn: Connection, log_format: str) -> None:
     """Entry point of the engine process."""
+    from genai_common.logging import configure_logging
+
     from ..engine.engine import LLMEngine
     from ..engine.request import SamplingParams, StoppingCriteria
-    from ..logging import configure_logging
 
     configure_logging(log_format)
     plog = structlog.get_logger("genai_service.engine_process")

@@ -21,7 +21,10 @@ from typing import Any
 import grpc
 import structlog
 
-from .._proto.genai.v1 import (
+from genai_common.decoding import Undecodable
+from genai_common.errors import GenAIError, InvalidArgument, Unauthenticated, Unavailable
+from genai_common.status import status_code
+from genai_proto.genai.v1 import (
     generate_pb2,
     generate_pb2_grpc,
     model_pb2,
@@ -29,11 +32,10 @@ from .._proto.genai.v1 import (
     session_pb2,
     session_pb2_grpc,
 )
-from ..decoding import Undecodable
+
 from ..engine.request import RequestOutput
 from ..engine.sessions import check_metadata
 from ..engine.tokenizer import Tokenizer
-from ..errors import GenAIError, InvalidArgument, Unauthenticated, Unavailable
 from . import convert
 from .engine_process import EngineProcess
 from .metrics import Metrics
@@ -140,10 +142,6 @@ class Frontend:
 
 def _event_fields(event: generate_pb2.Delta | generate_pb2.Final) -> dict[str, Any]:
     return {"delta": event} if isinstance(event, generate_pb2.Delta) else {"final": event}
-
-
-def status_code(error: GenAIError) -> grpc.StatusCode:
-    return getattr(grpc.StatusCode, error.code, grpc.StatusCode.INTERNAL)
 
 
 def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
