@@ -204,6 +204,41 @@ def test_sessions_over_rpc(channel: grpc.Channel) -> None:
         assert code == grpc.StatusCode.NOT_FOUND
 
 
+def test_a_session_turns_prompt_tokens_count_the_history(channel: grpc.Channel) -> None:
+    # Usage.prompt_tokens (common.proto): history plus this turn's new input.
+    sessions = session_pb2_grpc.SessionServiceStub(channel)
+    stub = generate_pb2_grpc.GenerateServiceStub(channel)
+    models = model_pb2_grpc.ModelServiceStub(channel)
+    sid = sessions.CreateSession(session_pb2.CreateSessionRequest()).session.session_id
+    t1 = stub.Generate(gen_request("the cat sat", 4, session_id=sid))
+    t2 = stub.Generate(gen_request("on the mat", 4, session_id=sid, add_special_tokens=False))
+    new = models.Tokenize(model_pb2.TokenizeRequest(text="on the mat", add_special_tokens=False))
+    assert t1.usage.prompt_tokens == t1.session_tokens - 4
+    assert t2.usage.prompt_tokens == t1.session_tokens + len(new.token_ids)
+    assert t2.session_tokens == t2.usage.prompt_tokens + 4
+    sessions.CloseSession(session_pb2.CloseSessionRequest(session_id=sid))
+
+
+def test_a_stop_token_id_is_reported_as_its_text(channel: grpc.Channel) -> None:
+    # GenerateResponse.stop_sequence (generate.proto): the stop token's own text.
+    stub = generate_pb2_grpc.GenerateServiceStub(channel)
+    models = model_pb2_grpc.ModelServiceStub(channel)
+    free = stub.Generate(gen_request("the cat sat on the mat", 6))
+    stop_id = free.token_ids[2]
+    stop_text = models.Detokenize(
+        model_pb2.DetokenizeRequest(token_ids=[stop_id], skip_special_tokens=False)
+    ).text
+    assert stop_text
+    want_ids = list(free.token_ids[: list(free.token_ids).index(stop_id) + 1])
+    request = gen_request("the cat sat on the mat", 6, stopping=dict(stop_token_ids=[stop_id]))
+    unary = stub.Generate(request)
+    final = list(stub.GenerateStream(request))[-1].final
+    for result in (unary, final):
+        assert result.finish_reason == common_pb2.FINISH_REASON_STOP_SEQUENCE
+        assert result.stop_sequence == stop_text
+        assert list(result.token_ids) == want_ids
+
+
 @pytest.mark.parametrize(
     ("request_", "message"),
     [
