@@ -158,6 +158,8 @@ def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
 
     def bind(request: Any) -> None:
+        # The one place a request id is made: for a request that has none, and
+        # for the log lines of an RPC without one (a GenerateBidi call's own).
         rid = getattr(request, "request_id", "") or uuid.uuid4().hex
         if hasattr(request, "request_id") and not request.request_id:
             request.request_id = rid
