@@ -20,12 +20,12 @@ from typing import Any, TypeVar
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from genai_service._proto.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from genai_service.credentials import server_credentials
 from genai_service.decoding import TolerantDecoding, Undecodable
 from genai_service.errors import DataLoss, GenAIError, InvalidArgument, NotFound
+from genai_service.reflection import enable_reflection
 from kvstore.disk_tier import DiskTier
 from kvstore.memory_tier import MemoryTier, StoredBlob
 from kvstore.protocol import (
@@ -369,11 +369,10 @@ async def start_server(config: KvStoreConfig) -> RunningServer:
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
+    enable_reflection(
         (
             kvstore_pb2.DESCRIPTOR.services_by_name["KvStore"].full_name,
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
         ),
         server,
     )

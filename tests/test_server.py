@@ -9,7 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from google.protobuf import json_format
+from google.protobuf import descriptor_pb2, json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -79,10 +79,43 @@ def test_reflection_and_health(channel: grpc.Channel) -> None:
     )
     names = {s.name for r in responses for s in r.list_services_response.service}
     assert {"genai.v1.GenerateService", "genai.v1.SessionService", "genai.v1.ModelService"} <= names
+    assert {"grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"} <= (
+        names
+    )
     health = health_pb2_grpc.HealthStub(channel)
     for service in ("", "genai.v1.GenerateService"):
         status = health.Check(health_pb2.HealthCheckRequest(service=service)).status
         assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_reflection_v1(channel: grpc.Channel) -> None:
+    # A raw grpc.reflection.v1 call (its messages are v1alpha's on the wire).
+    info = channel.stream_stream(
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )
+    requests = [
+        reflection_pb2.ServerReflectionRequest(list_services=""),
+        reflection_pb2.ServerReflectionRequest(file_containing_symbol="genai.v1.GenerateService"),
+        reflection_pb2.ServerReflectionRequest(
+            file_containing_symbol="grpc.reflection.v1.ServerReflection"
+        ),
+    ]
+    listed, generate, v1 = list(info(iter(requests), timeout=10))
+    names = {s.name for s in listed.list_services_response.service}
+    assert {"genai.v1.GenerateService", "grpc.reflection.v1.ServerReflection"} <= names
+    files = [
+        descriptor_pb2.FileDescriptorProto.FromString(b)
+        for b in generate.file_descriptor_response.file_descriptor_proto
+    ]
+    assert "genai/v1/generate.proto" in {f.name for f in files}
+    (v1_file,) = [
+        descriptor_pb2.FileDescriptorProto.FromString(b)
+        for b in v1.file_descriptor_response.file_descriptor_proto
+    ]
+    assert v1_file.package == "grpc.reflection.v1"
+    assert v1_file.service[0].method[0].input_type == ".grpc.reflection.v1.ServerReflectionRequest"
 
 
 def test_generate_rpcs_match_the_in_process_engine(
