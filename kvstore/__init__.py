@@ -1,4 +1,4 @@
-"""The data-plane KV blob store (DESIGN.md §1, §4): ``genai-kvstore``.
+"""The data-plane KV blob store (docs/design.md, "Processes and planes"): ``genai-kvstore``.
 
 - ``blob``: KV chunk payloads (``pack_kv``/``unpack_kv``) and blob checksums
 - ``client``: ``AsyncKvStoreClient`` and ``KvStoreClient``

@@ -1,4 +1,4 @@
-"""``genai-kvstore``: the data-plane KV blob store (docs/design.md, Processes).
+"""``genai-kvstore``: the data-plane KV blob store (docs/design.md, "Processes and planes").
 
 The only place that reads the kvstore's flags and environment.
 """

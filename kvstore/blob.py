@@ -1,4 +1,4 @@
-"""KV chunk payload and blob checksums (DESIGN.md §4).
+"""KV chunk payload and blob checksums (docs/design.md, "KV chunk contract").
 
 A KV chunk payload is::
 

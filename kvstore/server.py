@@ -2,7 +2,7 @@
 
 Health (``grpc.health.v1``, for "" and "kvstore.v1.KvStore") and server
 reflection share the port and stay open; the KvStore RPCs require a bearer
-token unless the server was started insecure (docs/design.md, Processes).
+token unless the server was started insecure (docs/design.md, "Processes and planes").
 """
 
 from __future__ import annotations
@@ -107,7 +107,10 @@ async def _abort_for(exc: BaseException, rpc: str, context: grpc.aio.ServicerCon
 def _unary(
     method: Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[_Response]],
 ) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[_Response]]:
-    """Map domain errors of a unary-response RPC to status codes (DESIGN.md §5)."""
+    """Map domain errors of a unary-response RPC to status codes.
+
+    See docs/design.md, "Status codes".
+    """
 
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> _Response:

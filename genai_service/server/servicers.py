@@ -1,6 +1,6 @@
 """Thin adapters: validate → submit to the engine → convert → yield.
 
-One decorator, ``rpc``, maps domain errors to status codes (DESIGN §5) and
+One decorator, ``rpc``, maps domain errors to status codes (docs/design.md, "Status codes") and
 binds a request id to every log line of the call.
 """
 
