@@ -47,11 +47,15 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
+# buf breaking compares protos/ with this commit (make lint BUF_AGAINST=main).
+BUF_AGAINST ?= HEAD~1
+
 lint: setup
 	$(VENV)/bin/ruff check genai_service genai_common genai_client kvstore tests bench
 	$(VENV)/bin/ruff format --check genai_service genai_common genai_client kvstore tests bench
 	$(VENV)/bin/mypy genai_service genai_common
 	cd protos && ../$(VENV)/bin/buf lint
+	$(PY) -m tests.buf_breaking $(BUF_AGAINST)
 
 # The main job: kvstore + server on the default model, one streamed sample
 # request, then serve until Ctrl-C. Extra flags: make serve ARGS="--port 50061"

@@ -1,4 +1,4 @@
-"""The data-plane KV blob store (DESIGN.md §1, §4): ``genai-kvstore``.
+"""The data-plane KV blob store (docs/design.md, "Processes and planes"): ``genai-kvstore``.
 
 - ``checksum``: blob checksums, the one place the data plane hashes a blob
 - ``client``: ``AsyncKvStoreClient`` and ``KvStoreClient``

@@ -5,7 +5,7 @@ blob they receive, put a deadline on every call and use data-plane channel
 options (large messages, no compression). RPC failures surface as
 ``grpc.RpcError`` (``grpc.aio.AioRpcError`` for the async client) and a blob
 that arrives corrupt as ``ChecksumError``; the engine's connector treats any
-of them as a cache miss (DESIGN.md §1).
+of them as a cache miss (docs/design.md, "Processes and planes").
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Health (``grpc.health.v1``, for "" and "kvstore.v1.KvStore") and server
 reflection share the port and stay open; the KvStore RPCs require a bearer
-token unless the server was started insecure (docs/design.md, Processes).
+token unless the server was started insecure (docs/design.md, "Processes and planes").
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from typing import Any, TypeVar
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from genai_common.credentials import server_credentials
 from genai_common.decoding import TolerantDecoding, Undecodable
 from genai_common.errors import DataLoss, GenAIError, InvalidArgument, NotFound
+from genai_common.reflection import enable_reflection
 from genai_common.status import status_code
 from genai_proto.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvstore.checksum import DIGEST_SIZES
@@ -109,7 +109,10 @@ async def _abort_for(exc: BaseException, rpc: str, context: grpc.aio.ServicerCon
 def _unary(
     method: Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[_Response]],
 ) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[_Response]]:
-    """Map domain errors of a unary-response RPC to status codes (DESIGN.md §5)."""
+    """Map domain errors of a unary-response RPC to status codes.
+
+    See docs/design.md, "Status codes".
+    """
 
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> _Response:
@@ -371,11 +374,10 @@ async def start_server(config: KvStoreConfig) -> RunningServer:
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
+    enable_reflection(
         (
             kvstore_pb2.DESCRIPTOR.services_by_name["KvStore"].full_name,
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
         ),
         server,
     )

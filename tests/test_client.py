@@ -367,7 +367,7 @@ def client(fake: Fake) -> Iterator[Client]:
         yield c
 
 
-# Every status code the server uses (DESIGN.md §5) and its exception type.
+# Every status code the server uses (docs/design.md, "Status codes") and its exception type.
 CODES = [
     (grpc.StatusCode.INVALID_ARGUMENT, genai_client.InvalidArgumentError),
     (grpc.StatusCode.NOT_FOUND, genai_client.NotFoundError),

@@ -501,8 +501,20 @@ async def test_health_and_reflection(start: StartServer) -> None:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
         request = reflection_pb2.ServerReflectionRequest(list_services="")
         responses = [r async for r in stub.ServerReflectionInfo(iter([request]), timeout=5)]
-    names = {s.name for s in responses[0].list_services_response.service}
-    assert {"kvstore.v1.KvStore", "grpc.health.v1.Health"} <= names
+        v1 = channel.stream_stream(  # grpc.reflection.v1: the same messages on the wire
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        v1_responses = [r async for r in v1(iter([request]), timeout=5)]
+    for response in (responses[0], v1_responses[0]):
+        names = {s.name for s in response.list_services_response.service}
+        assert {
+            "kvstore.v1.KvStore",
+            "grpc.health.v1.Health",
+            "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection",
+        } <= names
 
 
 @pytest.mark.asyncio

@@ -1,4 +1,4 @@
-"""Bearer tokens, session ownership and TLS/mTLS on the control plane (DESIGN §6)."""
+"""Bearer tokens, session ownership and TLS/mTLS on the control plane (docs/design.md, "Security")."""
 
 from __future__ import annotations
 

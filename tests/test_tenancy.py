@@ -1,5 +1,5 @@
 """Request ids are scoped per principal: one tenant can neither block, detect nor cancel
-another's requests by reusing their ids (docs/design.md, "Processes")."""
+another's requests by reusing their ids (docs/design.md, "Processes and planes")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Keyed MACs on everything the engine stores in the kvstore (docs/design.md,
-"KV chunks and integrity").
+"KV integrity").
 
 The kvstore holds opaque bytes that any data-plane client can write, and a
 blob's own checksum (``kvstore.checksum``) is computed by its writer: it catches

@@ -1,6 +1,6 @@
 """Model runners: turn "compute these tokens of these sequences" into logits.
 
-One interface, implementations per KV strategy (DESIGN §3). A runner owns the
+One interface, implementations per KV strategy (docs/design.md, "Engine modules"). A runner owns the
 KV of every sequence it runs, keyed by the engine's ``seq_id``; the engine
 only moves KV in and out as host arrays (prefix hits, session parking).
 """

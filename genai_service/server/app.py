@@ -11,10 +11,10 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
 
 from genai_common.credentials import server_credentials
 from genai_common.decoding import TolerantDecoding
+from genai_common.reflection import enable_reflection
 from genai_proto.genai.v1 import (
     generate_pb2,
     generate_pb2_grpc,
@@ -76,12 +76,8 @@ class GenAIServer:
         )
         model_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(self.frontend), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (
-                *SERVICE_NAMES,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
+        enable_reflection(
+            (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
             self.server,
         )
         address = f"{config.host}:{config.port}"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Sequence
 
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -123,7 +122,7 @@ def generation_request(
         time_limit_ms=_opt(st, "time_limit_ms"),  # type: ignore[arg-type]
     )
     return GenerationRequest(
-        request_id=request.request_id or uuid.uuid4().hex,
+        request_id=request.request_id,  # never empty: `rpc` assigns one; GenerateBidi needs one
         prompt_token_ids=tuple(token_ids),
         sampling=sampling,
         stopping=stopping,

@@ -1,4 +1,6 @@
-"""The engine's own OS process and the frontend's handle on it (DESIGN §1).
+"""The engine's own OS process and the frontend's handle on it.
+
+See docs/design.md, "Processes and planes".
 
 The frontend never runs model compute; it talks to the engine over a
 ``multiprocessing`` pipe carrying small pickled messages: requests, aborts,
@@ -19,7 +21,7 @@ loop keeps stepping meanwhile.
 Request ids are the client's and scoped per principal: the engine sees an id
 of its own for each request (the client's id plus a random suffix), so two
 principals may use the same id and neither can abort, or learn of, the
-other's request (docs/design.md, "Processes").
+other's request (docs/design.md, "Processes and planes").
 """
 
 from __future__ import annotations

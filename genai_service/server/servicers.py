@@ -1,6 +1,6 @@
 """Thin adapters: validate → submit to the engine → convert → yield.
 
-One decorator, ``rpc``, maps domain errors to status codes (DESIGN §5) and
+One decorator, ``rpc``, maps domain errors to status codes (docs/design.md, "Status codes") and
 binds a request id to every log line of the call.
 """
 
@@ -156,6 +156,8 @@ def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
 
     def bind(request: Any) -> None:
+        # The one place a request id is made: for a request that has none, and
+        # for the log lines of an RPC without one (a GenerateBidi call's own).
         rid = getattr(request, "request_id", "") or uuid.uuid4().hex
         if hasattr(request, "request_id") and not request.request_id:
             request.request_id = rid
