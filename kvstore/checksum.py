@@ -1,5 +1,5 @@
 """Blob checksums: the one place the data plane hashes a blob (docs/design.md,
-"KV chunks and integrity").
+"KV chunk contract").
 
 A blob's checksum is its blake2b digest, 16 or 32 bytes long (the length says
 which digest size). The writer computes it and sends it in the Put header; the

@@ -10,7 +10,7 @@ A KV chunk payload is::
 
 This is the engine's format: the kvstore stores payloads as opaque blobs (with
 a checksum of its own, ``kvstore.checksum``), and only the engine's connector
-packs and unpacks them (docs/design.md, "KV chunks and integrity").
+packs and unpacks them (docs/design.md, "KV chunk contract").
 """
 
 from __future__ import annotations
