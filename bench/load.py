@@ -48,7 +48,7 @@ import psutil
 
 from genai_client import Client
 from genai_client.errors import GenAIClientError, from_rpc_error
-from genai_service._proto.genai.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from genai_proto.genai.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from kvstore.protocol import AUTH_TOKEN_ENV
 
 from .ours import ServerProcess

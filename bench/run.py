@@ -26,9 +26,9 @@ from pathlib import Path
 
 import structlog
 
+from genai_common.logging import configure_logging
 from genai_service.convert.convert import ConvertOptions, convert
 from genai_service.convert.default_model import default_cache_dir, default_gguf, resolve_model
-from genai_service.logging import configure_logging
 
 from . import report
 from .procs import REPO, CpuLedger, machine_info, versions

@@ -23,7 +23,7 @@ from genai_client.types import (
     TopLogprob,
     Usage,
 )
-from genai_service._proto.genai.v1 import common_pb2, generate_pb2, model_pb2, session_pb2
+from genai_proto.genai.v1 import common_pb2, generate_pb2, model_pb2, session_pb2
 
 MessageLike = ChatMessage | Mapping[str, str] | tuple[str, str]
 

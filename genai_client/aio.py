@@ -48,7 +48,7 @@ from genai_client.types import (
     SessionInfo,
     Token,
 )
-from genai_service._proto.genai.v1 import generate_pb2_grpc
+from genai_proto.genai.v1 import generate_pb2_grpc
 
 
 class AsyncGenerationStream(_convert.StreamState):

@@ -40,7 +40,7 @@ from genai_client.types import (
     SessionInfo,
     Token,
 )
-from genai_service._proto.genai.v1 import generate_pb2_grpc, model_pb2_grpc, session_pb2_grpc
+from genai_proto.genai.v1 import generate_pb2_grpc, model_pb2_grpc, session_pb2_grpc
 
 DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
 DEFAULT_KEEPALIVE_TIME_MS = 60_000

@@ -2,7 +2,7 @@
 
 Every exception the client raises for a failed RPC is a :class:`GenAIClientError`
 carrying the status ``code`` (a :class:`grpc.StatusCode`) and the server's
-``details`` message; the subclass tells the code apart (DESIGN.md §5).
+``details`` message; the subclass tells the code apart (docs/design.md, "Status codes").
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ from typing import Any
 
 import structlog
 
+from genai_common.credentials import read_secret_file
+from genai_common.logging import configure_logging
 from kvstore.protocol import AUTH_TOKEN_ENV
 
 from .config import (
@@ -26,121 +28,218 @@ from .config import (
     SessionConfig,
     SpeculationConfig,
 )
-from .credentials import read_secret_file
 from .engine.kv_integrity import MIN_SECRET_BYTES
-from .logging import configure_logging
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to a flag's help, except where there is no default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or action.help is None:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The flags of ``genai-server``. Each one that sets a config field is named
+    after it (``--max-parked-kv-bytes`` sets ``SessionConfig.max_parked_kv_bytes``)
+    and takes its default from the dataclass; older names stay as aliases."""
     p = argparse.ArgumentParser(
-        prog="genai-server", description="LLM text generation on ONNX Runtime over gRPC"
+        prog="genai-server",
+        description="LLM text generation on ONNX Runtime over gRPC",
+        formatter_class=_HelpFormatter,
     )
     p.add_argument(
         "--model", required=True, help="model directory, or 'default' (SmolLM2-135M-Instruct)"
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--log-format", choices=("console", "json"), default="console")
+    p.add_argument("--host", default=ServerConfig.host, help="address to listen on")
+    p.add_argument(
+        "--port", type=int, metavar="P", default=ServerConfig.port, help="control-plane port"
+    )
+    p.add_argument(
+        "--log-format", choices=("console", "json"), default=ServerConfig.log_format, help="logs"
+    )
     p.add_argument(
         "--metrics-port",
         type=int,
-        default=None,
+        default=ServerConfig.metrics_port,
         metavar="P",
         help="serve Prometheus metrics at http://HOST:P/metrics",
     )
     p.add_argument(
+        "--grace-period-s",
         "--grace-period",
+        dest="grace_period_s",
         type=float,
-        default=30.0,
+        default=ServerConfig.grace_period_s,
         metavar="S",
         help="seconds in-flight streams may run after SIGTERM",
     )
     g = p.add_argument_group("engine")
     g.add_argument(
-        "--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: one per core)"
+        "--intra-op-threads",
+        "--threads",
+        dest="intra_op_threads",
+        type=int,
+        metavar="N",
+        default=RunnerConfig.intra_op_threads,
+        help="ONNX Runtime intra-op threads (0: one per core)",
     )
-    g.add_argument("--runner", choices=("auto", "past_present", "shared_buffer"), default="auto")
-    g.add_argument("--max-context-length", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together")
-    g.add_argument("--max-batched-tokens", type=int, default=512, help="prefill tokens per step")
     g.add_argument(
-        "--max-queue", type=int, default=256, help="waiting requests before RESOURCE_EXHAUSTED"
+        "--runner",
+        choices=("auto", "past_present", "shared_buffer"),
+        default=RunnerConfig.runner,
+        help="how the model runs",
     )
     g.add_argument(
-        "--kv-chunk-size", type=int, default=256, help="tokens per KV chunk (prefix reuse)"
+        "--max-context-length",
+        type=int,
+        metavar="N",
+        default=EngineConfig.max_context_length,
+        help="cap below the model's own context window",
+    )
+    g.add_argument(
+        "--max-num-seqs",
+        type=int,
+        metavar="N",
+        default=SchedulerConfig.max_num_seqs,
+        help="sequences decoded together",
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        "--max-batched-tokens",
+        dest="max_num_batched_tokens",
+        type=int,
+        metavar="N",
+        default=SchedulerConfig.max_num_batched_tokens,
+        help="prefill tokens per step",
+    )
+    g.add_argument(
+        "--max-queue",
+        type=int,
+        metavar="N",
+        default=SchedulerConfig.max_queue,
+        help="waiting requests before RESOURCE_EXHAUSTED",
+    )
+    g.add_argument(
+        "--kv-chunk-size",
+        type=int,
+        metavar="N",
+        default=CacheConfig.chunk_size,
+        help="tokens per KV chunk (prefix reuse)",
     )
     g.add_argument(
         "--prefix-cache-bytes",
         type=int,
-        default=256 * 1024 * 1024,
+        metavar="N",
+        default=CacheConfig.prefix_cache_bytes,
         help="in-process prefix cache (LRU by bytes; 0: off)",
     )
     g.add_argument(
         "--prefix-cache-scope",
         choices=PREFIX_CACHE_SCOPES,
-        default=None,
+        default=CacheConfig.prefix_cache_scope,
         help="who shares reused prompt KV: every request, or only one principal's "
         "(default: principal when --auth-token-file/GENAI_AUTH_TOKEN is set, else global)",
     )
-    g.add_argument("--max-sessions", type=int, default=64)
-    g.add_argument("--session-ttl", type=float, default=900.0, metavar="S")
     g.add_argument(
-        "--session-kv-bytes",
+        "--default-max-new-tokens",
         type=int,
-        default=1024**3,
-        help="host memory for parked sessions' KV (LRU beyond it is recomputed)",
-    )
-    g.add_argument(
-        "--session-metadata-entries",
-        type=int,
-        default=64,
         metavar="N",
-        help="most metadata entries a CreateSession may carry",
+        default=LimitsConfig.default_max_new_tokens,
+        help="max_new_tokens of a request that sets none",
     )
     g.add_argument(
-        "--session-metadata-key-bytes",
+        "--max-new-tokens-limit",
         type=int,
-        default=256,
         metavar="N",
-        help="largest session metadata key (UTF-8 bytes)",
+        default=LimitsConfig.max_new_tokens_limit,
+        help="largest max_new_tokens a request may ask for",
     )
-    g.add_argument(
-        "--session-metadata-value-bytes",
-        type=int,
-        default=4096,
-        metavar="N",
-        help="largest session metadata value (UTF-8 bytes)",
-    )
-    g.add_argument(
-        "--session-metadata-bytes",
-        type=int,
-        default=16 * 1024,
-        metavar="N",
-        help="largest session metadata in all, keys and values (UTF-8 bytes)",
-    )
-    g.add_argument(
-        "--session-max-record-fetches",
-        type=int,
-        default=SessionConfig.max_record_fetches,
-        metavar="N",
-        help="session records fetched from the kvstore at once; more is RESOURCE_EXHAUSTED "
-        "(default %(default)s)",
-    )
-    g.add_argument("--default-max-new-tokens", type=int, default=256)
-    g.add_argument("--max-new-tokens-limit", type=int, default=4096)
     g.add_argument(
         "--speculate",
         type=int,
-        default=0,
+        default=SpeculationConfig.num_tokens,
         metavar="N",
         help="prompt-lookup speculative decoding: draft N tokens per step (0: off)",
     )
     g.add_argument(
         "--speculate-max-batch",
         type=int,
-        default=1,
+        default=SpeculationConfig.max_batch,
         metavar="N",
         help="speculate only while at most N sequences decode",
+    )
+    s = p.add_argument_group("sessions")
+    s.add_argument(
+        "--max-sessions",
+        type=int,
+        metavar="N",
+        default=SessionConfig.max_sessions,
+        help="sessions held in memory",
+    )
+    s.add_argument(
+        "--idle-ttl-s",
+        "--session-ttl",
+        dest="idle_ttl_s",
+        type=float,
+        default=SessionConfig.idle_ttl_s,
+        metavar="S",
+        help="a session idle this long is closed",
+    )
+    s.add_argument(
+        "--max-parked-kv-bytes",
+        "--session-kv-bytes",
+        dest="max_parked_kv_bytes",
+        type=int,
+        metavar="N",
+        default=SessionConfig.max_parked_kv_bytes,
+        help="host memory for parked sessions' KV (LRU beyond it is recomputed)",
+    )
+    s.add_argument(
+        "--max-metadata-entries",
+        "--session-metadata-entries",
+        dest="max_metadata_entries",
+        type=int,
+        default=SessionConfig.max_metadata_entries,
+        metavar="N",
+        help="most metadata entries a CreateSession may carry",
+    )
+    s.add_argument(
+        "--max-metadata-key-bytes",
+        "--session-metadata-key-bytes",
+        dest="max_metadata_key_bytes",
+        type=int,
+        default=SessionConfig.max_metadata_key_bytes,
+        metavar="N",
+        help="largest session metadata key (UTF-8 bytes)",
+    )
+    s.add_argument(
+        "--max-metadata-value-bytes",
+        "--session-metadata-value-bytes",
+        dest="max_metadata_value_bytes",
+        type=int,
+        default=SessionConfig.max_metadata_value_bytes,
+        metavar="N",
+        help="largest session metadata value (UTF-8 bytes)",
+    )
+    s.add_argument(
+        "--max-metadata-bytes",
+        "--session-metadata-bytes",
+        dest="max_metadata_bytes",
+        type=int,
+        default=SessionConfig.max_metadata_bytes,
+        metavar="N",
+        help="largest session metadata in all, keys and values (UTF-8 bytes)",
+    )
+    s.add_argument(
+        "--max-record-fetches",
+        "--session-max-record-fetches",
+        dest="max_record_fetches",
+        type=int,
+        default=SessionConfig.max_record_fetches,
+        metavar="N",
+        help="session records fetched from the kvstore at once; more is RESOURCE_EXHAUSTED",
     )
     a = p.add_argument_group("security")
     a.add_argument(
@@ -149,10 +248,28 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="bearer tokens, one 'PRINCIPAL TOKEN' per line (env GENAI_AUTH_TOKEN: one token)",
     )
-    a.add_argument("--tls-cert", default=None, metavar="PEM")
-    a.add_argument("--tls-key", default=None, metavar="PEM")
     a.add_argument(
-        "--tls-client-ca", default=None, metavar="PEM", help="require client certificates"
+        "--tls-cert-file",
+        "--tls-cert",
+        dest="tls_cert_file",
+        default=ServerConfig.tls_cert_file,
+        metavar="PEM",
+        help="serve TLS (with --tls-key-file)",
+    )
+    a.add_argument(
+        "--tls-key-file",
+        "--tls-key",
+        dest="tls_key_file",
+        default=ServerConfig.tls_key_file,
+        metavar="PEM",
+    )
+    a.add_argument(
+        "--tls-client-ca-file",
+        "--tls-client-ca",
+        dest="tls_client_ca_file",
+        default=ServerConfig.tls_client_ca_file,
+        metavar="PEM",
+        help="require client certificates",
     )
     k = p.add_argument_group("kvstore (data plane)")
     k.add_argument(
@@ -162,9 +279,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="share KV chunks and session records through this genai-kvstore",
     )
     k.add_argument(
+        "--kvstore-timeout-s",
         "--kvstore-timeout",
+        dest="kvstore_timeout_s",
         type=float,
-        default=2.0,
+        default=KvStoreConfig.timeout_s,
         metavar="S",
         help="a kvstore fetch slower than this is a cache miss",
     )
@@ -178,11 +297,32 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument(
         "--kvstore-insecure",
         action="store_true",
+        default=KvStoreConfig.insecure,
         help="send no data-plane token (for a genai-kvstore started with --insecure)",
     )
-    k.add_argument("--kvstore-tls-ca", default=None, metavar="PEM", help="kvstore over TLS")
-    k.add_argument("--kvstore-tls-cert", default=None, metavar="PEM", help="client certificate")
-    k.add_argument("--kvstore-tls-key", default=None, metavar="PEM")
+    k.add_argument(
+        "--kvstore-tls-ca-file",
+        "--kvstore-tls-ca",
+        dest="kvstore_tls_ca_file",
+        default=KvStoreConfig.tls_ca_file,
+        metavar="PEM",
+        help="kvstore over TLS",
+    )
+    k.add_argument(
+        "--kvstore-tls-cert-file",
+        "--kvstore-tls-cert",
+        dest="kvstore_tls_cert_file",
+        default=KvStoreConfig.tls_cert_file,
+        metavar="PEM",
+        help="client certificate",
+    )
+    k.add_argument(
+        "--kvstore-tls-key-file",
+        "--kvstore-tls-key",
+        dest="kvstore_tls_key_file",
+        default=KvStoreConfig.tls_key_file,
+        metavar="PEM",
+    )
     k.add_argument(
         "--kv-integrity-key-file",
         default=None,
@@ -218,12 +358,12 @@ def kvstore_config(args: argparse.Namespace) -> KvStoreConfig | None:
         token = os.environ.get(AUTH_TOKEN_ENV) or None
     return KvStoreConfig(
         args.kvstore,
-        timeout_s=args.kvstore_timeout,
+        timeout_s=args.kvstore_timeout_s,
         auth_token=token,
         insecure=args.kvstore_insecure,
-        tls_ca_file=args.kvstore_tls_ca,
-        tls_cert_file=args.kvstore_tls_cert,
-        tls_key_file=args.kvstore_tls_key,
+        tls_ca_file=args.kvstore_tls_ca_file,
+        tls_cert_file=args.kvstore_tls_cert_file,
+        tls_key_file=args.kvstore_tls_key_file,
         **options,
     )
 
@@ -247,10 +387,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             tokens.append((fields[1], fields[0]))
     engine = EngineConfig(
         model_dir=model_dir,
-        runner=RunnerConfig(intra_op_threads=args.threads, runner=args.runner),
+        runner=RunnerConfig(intra_op_threads=args.intra_op_threads, runner=args.runner),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_batched_tokens,
+            max_num_batched_tokens=args.max_num_batched_tokens,
             max_queue=args.max_queue,
         ),
         cache=CacheConfig(
@@ -260,13 +400,13 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         ),
         sessions=SessionConfig(
             max_sessions=args.max_sessions,
-            idle_ttl_s=args.session_ttl,
-            max_parked_kv_bytes=args.session_kv_bytes,
-            max_metadata_entries=args.session_metadata_entries,
-            max_metadata_key_bytes=args.session_metadata_key_bytes,
-            max_metadata_value_bytes=args.session_metadata_value_bytes,
-            max_metadata_bytes=args.session_metadata_bytes,
-            max_record_fetches=args.session_max_record_fetches,
+            idle_ttl_s=args.idle_ttl_s,
+            max_parked_kv_bytes=args.max_parked_kv_bytes,
+            max_metadata_entries=args.max_metadata_entries,
+            max_metadata_key_bytes=args.max_metadata_key_bytes,
+            max_metadata_value_bytes=args.max_metadata_value_bytes,
+            max_metadata_bytes=args.max_metadata_bytes,
+            max_record_fetches=args.max_record_fetches,
         ),
         limits=LimitsConfig(
             default_max_new_tokens=args.default_max_new_tokens,
@@ -281,13 +421,13 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         auth_tokens=tuple(tokens),
         metrics_port=args.metrics_port,
-        tls_cert_file=args.tls_cert,
-        tls_key_file=args.tls_key,
-        tls_client_ca_file=args.tls_client_ca,
+        tls_cert_file=args.tls_cert_file,
+        tls_key_file=args.tls_key_file,
+        tls_client_ca_file=args.tls_client_ca_file,
         engine=engine,
         host=args.host,
         port=args.port,
-        grace_period_s=args.grace_period,
+        grace_period_s=args.grace_period_s,
         log_format=args.log_format,
     )
 

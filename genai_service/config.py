@@ -61,7 +61,7 @@ class SpeculationConfig:
     the guess: every guessed token the model agrees with comes out of that
     step too. Tokens are chosen as without speculation; graphs whose matmuls
     round a several-token step differently (int8 activations) may break
-    near-ties the other way (docs/design.md).
+    near-ties the other way (docs/design.md, "Speculative decoding").
     """
 
     num_tokens: int = 0  # draft tokens per step (genai-server --speculate), 0..MAX_DRAFT_TOKENS
@@ -87,7 +87,7 @@ PREFIX_CACHE_SCOPES = ("global", "principal")
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """In-process prefix reuse (DESIGN §4 chunk keys)."""
+    """In-process prefix reuse (docs/design.md, "KV chunk contract")."""
 
     chunk_size: int = 256  # tokens per KV chunk (genai-server --kv-chunk-size)
     prefix_cache_bytes: int = 256 * 1024 * 1024  # LRU bound; 0 disables prefix reuse
@@ -126,7 +126,7 @@ class SessionConfig:
     # recently used parked KV is dropped (that session's next turn recomputes
     # its history, or fetches it from the kvstore).
     max_parked_kv_bytes: int = 1024**3
-    # CreateSession metadata limits (docs/design.md "Sessions"). Metadata are
+    # CreateSession metadata limits (docs/design.md, "Sessions"). Metadata are
     # labels (a user id, a conversation id), not documents: a few dozen short
     # entries. Every session's metadata is held in the engine, written into
     # its kvstore record on every turn and returned by GetSession and
@@ -165,7 +165,7 @@ class SessionConfig:
 
 @dataclass(frozen=True)
 class LimitsConfig:
-    """Request size limits, enforced before any work (DESIGN §6)."""
+    """Request size limits, enforced before any work (docs/design.md, "Security")."""
 
     max_new_tokens_limit: int = 4096  # largest max_new_tokens a request may ask for
     default_max_new_tokens: int = 256  # used when a request sets none

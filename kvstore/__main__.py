@@ -1,4 +1,4 @@
-"""``genai-kvstore``: the data-plane KV blob store (docs/design.md, Processes).
+"""``genai-kvstore``: the data-plane KV blob store (docs/design.md, "Processes and planes").
 
 The only place that reads the kvstore's flags and environment.
 """
@@ -15,8 +15,8 @@ from collections.abc import Mapping, Sequence
 
 import structlog
 
-from genai_service.credentials import read_secret_file
-from genai_service.logging import configure_logging
+from genai_common.credentials import read_secret_file
+from genai_common.logging import configure_logging
 from kvstore.protocol import AUTH_TOKEN_ENV
 from kvstore.server import KvStoreConfig, serve
 
@@ -66,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="memory tier capacity, e.g. 4GiB (default %(default)s)",
     )
     parser.add_argument(
-        "--disk-dir", default=None, help="directory of the disk tier (default: no disk tier)"
+        "--disk-dir",
+        default=defaults.disk_dir,
+        help="directory of the disk tier (default: no disk tier)",
     )
     parser.add_argument(
         "--disk-bytes",
@@ -100,16 +102,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="require no token: any client that can connect may read and overwrite KV "
         "(logs a warning)",
     )
-    auth.add_argument("--tls-cert", default=None, metavar="PEM", help="serve TLS (with --tls-key)")
-    auth.add_argument("--tls-key", default=None, metavar="PEM")
+    # Flags are named after the KvStoreConfig field they set; older names stay as aliases.
     auth.add_argument(
-        "--tls-client-ca", default=None, metavar="PEM", help="require client certificates (mTLS)"
+        "--tls-cert-file",
+        "--tls-cert",
+        dest="tls_cert_file",
+        default=defaults.tls_cert_file,
+        metavar="PEM",
+        help="serve TLS (with --tls-key-file)",
+    )
+    auth.add_argument(
+        "--tls-key-file",
+        "--tls-key",
+        dest="tls_key_file",
+        default=defaults.tls_key_file,
+        metavar="PEM",
+    )
+    auth.add_argument(
+        "--tls-client-ca-file",
+        "--tls-client-ca",
+        dest="tls_client_ca_file",
+        default=defaults.tls_client_ca_file,
+        metavar="PEM",
+        help="require client certificates (mTLS)",
     )
     parser.add_argument(
         "--grace-s",
         type=float,
         default=defaults.grace_s,
-        help="seconds in-flight RPCs get on shutdown",
+        help="seconds in-flight RPCs get on shutdown (default %(default)s)",
     )
     parser.add_argument("--log-format", choices=("json", "console"), default="json")
     parser.add_argument(
@@ -135,9 +156,9 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Kv
         max_blob_bytes=args.max_blob_bytes,
         auth_token=token,
         insecure=args.insecure,
-        tls_cert_file=args.tls_cert,
-        tls_key_file=args.tls_key,
-        tls_client_ca_file=args.tls_client_ca,
+        tls_cert_file=args.tls_cert_file,
+        tls_key_file=args.tls_key_file,
+        tls_client_ca_file=args.tls_client_ca_file,
         grace_s=args.grace_s,
     )
 

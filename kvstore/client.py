@@ -5,7 +5,7 @@ blob they receive, put a deadline on every call and use data-plane channel
 options (large messages, no compression). RPC failures surface as
 ``grpc.RpcError`` (``grpc.aio.AioRpcError`` for the async client) and a blob
 that arrives corrupt as ``ChecksumError``; the engine's connector treats any
-of them as a cache miss (DESIGN.md §1).
+of them as a cache miss (docs/design.md, "Processes and planes").
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 
 import grpc
 
-from genai_service._proto.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
-from kvstore.blob import ChecksumError, checksum, verify_checksum
+from genai_proto.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from kvstore.checksum import ChecksumError, checksum, verify_checksum
 from kvstore.protocol import CHANNEL_OPTIONS, key_error, split_frames
 from kvstore.stats import PutResult, StoreStats, TierStats
 
@@ -143,7 +143,8 @@ class AsyncKvStoreClient(_ClientBase):
     ``target`` is "host:port"; ``auth_token`` is sent as a bearer token;
     ``timeout_s`` is the default deadline of each call (each method takes a
     ``timeout_s`` override); ``credentials`` selects TLS; ``verify`` turns off
-    the client-side checksum check (the KV payload has its own, see blob.py).
+    the client-side checksum check (the KV payload has its own, see
+    genai_service/engine/kv_codec.py).
     """
 
     _grpc = grpc.aio

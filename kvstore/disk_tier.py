@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import os
 import struct
 import uuid
@@ -37,6 +36,8 @@ from typing import BinaryIO
 
 import structlog
 
+from kvstore.checksum import DIGEST_SIZES, hasher, verify_checksum
+from kvstore.checksum import checksum as blob_checksum
 from kvstore.memory_tier import StoredBlob
 from kvstore.stats import TierStats
 
@@ -65,7 +66,7 @@ def file_name(key: bytes) -> str:
     """File name of ``key``: its hex, or "h" + blake2b-16 hex for long keys."""
     if len(key) <= _HEX_KEY_MAX_BYTES:
         return key.hex() + _SUFFIX
-    return "h" + hashlib.blake2b(key, digest_size=16).hexdigest() + _SUFFIX
+    return "h" + blob_checksum(key).hex() + _SUFFIX
 
 
 def _read_header(f: BinaryIO, path: Path) -> tuple[bytes, bytes, int]:
@@ -73,7 +74,7 @@ def _read_header(f: BinaryIO, path: Path) -> tuple[bytes, bytes, int]:
     if len(raw) != _HEADER.size:
         raise CorruptFileError(f"{path.name}: truncated header")
     magic, version, checksum_len, key_len, size = _HEADER.unpack(raw)
-    if magic != _MAGIC or version != _VERSION or checksum_len not in (16, 32):
+    if magic != _MAGIC or version != _VERSION or checksum_len not in DIGEST_SIZES:
         raise CorruptFileError(f"{path.name}: bad header")
     key = f.read(key_len)
     checksum = f.read(checksum_len)
@@ -88,17 +89,17 @@ def _scan_file(path: Path) -> tuple[bytes, _Entry]:
         key, checksum, size = _read_header(f, path)
         if file_name(key) != path.name:
             raise CorruptFileError(f"{path.name}: key in header does not match the file name")
-        hasher = hashlib.blake2b(digest_size=len(checksum))
+        digest = hasher(len(checksum))
         remaining = size
         while remaining:
             chunk = f.read(min(remaining, _READ_CHUNK_BYTES))
             if not chunk:
                 raise CorruptFileError(f"{path.name}: truncated data")
-            hasher.update(chunk)
+            digest.update(chunk)
             remaining -= len(chunk)
         if f.read(1):
             raise CorruptFileError(f"{path.name}: trailing bytes")
-    if hasher.digest() != checksum:
+    if digest.digest() != checksum:
         raise CorruptFileError(f"{path.name}: checksum mismatch")
     return key, _Entry(size, checksum)
 
@@ -112,7 +113,7 @@ def _read_blob(path: Path, key: bytes, entry: _Entry) -> StoredBlob:
         data = f.read(size)
         if len(data) != size or f.read(1):
             raise CorruptFileError(f"{path.name}: data is not {size} bytes")
-    if hashlib.blake2b(data, digest_size=len(checksum)).digest() != checksum:
+    if not verify_checksum(data, checksum):
         raise CorruptFileError(f"{path.name}: checksum mismatch")
     with contextlib.suppress(OSError):  # LRU order after a restart is best effort
         os.utime(path)

@@ -1,4 +1,7 @@
-"""Wire limits shared by the kvstore server and its clients (DESIGN.md §4)."""
+"""Wire limits shared by the kvstore server and its clients.
+
+See docs/design.md, "KV chunk contract".
+"""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Health (``grpc.health.v1``, for "" and "kvstore.v1.KvStore") and server
 reflection share the port and stay open; the KvStore RPCs require a bearer
-token unless the server was started insecure (docs/design.md, Processes).
+token unless the server was started insecure (docs/design.md, "Processes and planes").
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import hashlib
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,12 +19,15 @@ from typing import Any, TypeVar
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from genai_service._proto.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
-from genai_service.credentials import server_credentials
-from genai_service.decoding import TolerantDecoding, Undecodable
-from genai_service.errors import DataLoss, GenAIError, InvalidArgument, NotFound
+from genai_common.credentials import server_credentials
+from genai_common.decoding import TolerantDecoding, Undecodable
+from genai_common.errors import DataLoss, GenAIError, InvalidArgument, NotFound
+from genai_common.reflection import enable_reflection
+from genai_common.status import status_code
+from genai_proto.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from kvstore.checksum import DIGEST_SIZES
+from kvstore.checksum import hasher as new_hasher
 from kvstore.disk_tier import DiskTier
 from kvstore.memory_tier import MemoryTier, StoredBlob
 from kvstore.protocol import (
@@ -99,7 +101,7 @@ async def _abort_for(exc: BaseException, rpc: str, context: grpc.aio.ServicerCon
         # Misses are routine on a cache; refusals that point at a bug are not.
         level = logging.DEBUG if exc.code == "NOT_FOUND" else logging.WARNING
         log.log(level, "kvstore rpc refused", rpc=rpc, code=exc.code, reason=exc.message)
-        await context.abort(getattr(grpc.StatusCode, exc.code), exc.message)
+        await context.abort(status_code(exc), exc.message)
     log.exception("kvstore rpc failed", rpc=rpc)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {rpc}")
 
@@ -107,7 +109,10 @@ async def _abort_for(exc: BaseException, rpc: str, context: grpc.aio.ServicerCon
 def _unary(
     method: Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[_Response]],
 ) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[_Response]]:
-    """Map domain errors of a unary-response RPC to status codes (DESIGN.md §5)."""
+    """Map domain errors of a unary-response RPC to status codes.
+
+    See docs/design.md, "Status codes".
+    """
 
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> _Response:
@@ -208,7 +213,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
                     # Blobs are kept as first stored: answer now, the client stops sending.
                     return kvstore_pb2.PutResponse(already_present=True)
                 self._store.check_fits(header.total_size_bytes)
-                hasher = hashlib.blake2b(digest_size=len(header.checksum))
+                hasher = new_hasher(len(header.checksum))
                 continue
             if kind != "data":
                 raise InvalidArgument(f"frame is {kind!r} after the header; only data may follow")
@@ -239,7 +244,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
 
     def _check_header(self, header: kvstore_pb2.BlobHeader) -> None:
         _check_key(header.key, "header.key")
-        if len(header.checksum) not in (16, 32):
+        if len(header.checksum) not in DIGEST_SIZES:
             raise InvalidArgument(
                 f"header.checksum is {len(header.checksum)} bytes; allowed 16 or 32 (blake2b)"
             )
@@ -369,11 +374,10 @@ async def start_server(config: KvStoreConfig) -> RunningServer:
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
+    enable_reflection(
         (
             kvstore_pb2.DESCRIPTOR.services_by_name["KvStore"].full_name,
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
         ),
         server,
     )

@@ -13,7 +13,7 @@ import asyncio
 
 import structlog
 
-from genai_service.errors import Internal, ResourceExhausted
+from genai_common.errors import Internal, ResourceExhausted
 from kvstore.disk_tier import DiskTier
 from kvstore.memory_tier import MemoryTier, StoredBlob
 from kvstore.stats import PutResult, StoreStats

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from genai_common.errors import InvalidArgument, NotFound
 from genai_service.engine.request import (
     EngineInfo,
     FinishReason,
@@ -23,7 +24,6 @@ from genai_service.engine.request import (
     Usage,
 )
 from genai_service.engine.sessions import SessionInfo, SessionPage
-from genai_service.errors import InvalidArgument, NotFound
 
 # What the frontend imports to talk to the engine and convert its types, and
 # the engine's bookkeeping that is unit-tested without a model.

@@ -33,7 +33,7 @@ from genai_client import (
     SessionInfo,
 )
 from genai_client.cli import main as cli_main
-from genai_service._proto.genai.v1 import (
+from genai_proto.genai.v1 import (
     common_pb2,
     generate_pb2,
     generate_pb2_grpc,
@@ -367,7 +367,7 @@ def client(fake: Fake) -> Iterator[Client]:
         yield c
 
 
-# Every status code the server uses (DESIGN.md §5) and its exception type.
+# Every status code the server uses (docs/design.md, "Status codes") and its exception type.
 CODES = [
     (grpc.StatusCode.INVALID_ARGUMENT, genai_client.InvalidArgumentError),
     (grpc.StatusCode.NOT_FOUND, genai_client.NotFoundError),

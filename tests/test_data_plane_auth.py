@@ -1,4 +1,4 @@
-"""The data plane closed by default (docs/design.md, Processes): genai-kvstore and
+"""The data plane closed by default (docs/design.md, "Processes and planes"): genai-kvstore and
 genai-server refuse to run without a data-plane token unless told ``--insecure`` /
 ``--kvstore-insecure``, and genai-stack (``make serve``) gives its pair a random one."""
 

@@ -8,6 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from genai_common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from genai_service.config import (
     CacheConfig,
     EngineConfig,
@@ -25,12 +31,6 @@ from genai_service.engine.request import (
     SamplingParams,
     StoppingCriteria,
     collect,
-)
-from genai_service.errors import (
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
 )
 from tests.tiny_model import EOS_ID, encode_words, reference_greedy
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from genai_service._proto.genai.v1 import (
+from genai_proto.genai.v1 import (
     common_pb2,
     generate_pb2,
     generate_pb2_grpc,

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from genai_service._proto.genai.v1 import (
+from genai_proto.genai.v1 import (
     common_pb2,
     generate_pb2,
     generate_pb2_grpc,
@@ -28,9 +28,9 @@ from genai_service._proto.genai.v1 import (
     session_pb2,
     session_pb2_grpc,
 )
-from genai_service._proto.kvstore.v1 import kvstore_pb2
+from genai_proto.kvstore.v1 import kvstore_pb2
 from genai_service.config import CacheConfig, EngineConfig, ServerConfig
-from kvstore.blob import checksum
+from kvstore.checksum import checksum
 from kvstore.protocol import CHANNEL_OPTIONS, SERVICE_NAME
 from tests.kvstore_harness import DATA_PLANE_TOKEN, KvStoreProcess
 from tests.server_harness import ServerThread, free_port

@@ -419,7 +419,7 @@ def test_server_args_parse_and_make_a_valid_config(
     assert args.kvstore, "both layouts use a kvstore"
     # ONNX Runtime threads match the CPU the container may use.
     cpu_limit = quantity(c["resources"]["limits"]["cpu"])
-    assert args.threads == int(cpu_limit) >= 1
+    assert args.intra_op_threads == int(cpu_limit) >= 1
     # The values make a valid ServerConfig (model "default" would convert it;
     # any directory stands in for it here), and the tokens are read from the
     # environment names the manifest sets.
@@ -512,7 +512,7 @@ def test_server_probes_are_grpc_on_the_serving_port(name: str) -> None:
 def test_drain_fits_in_the_termination_grace_period(name: str) -> None:
     spec = pod_spec(deployment(rendered(name)))
     c = server(rendered(name))
-    grace = server_args(c).grace_period
+    grace = server_args(c).grace_period_s
     pre_stop = c["lifecycle"]["preStop"]
     if "sleep" in pre_stop:
         sleep_s = pre_stop["sleep"]["seconds"]
@@ -568,8 +568,16 @@ def test_dockerfile_user_and_version_match_the_manifests() -> None:
     # The stub generation is the Makefile's (same protoc outputs, same rewrite).
     for fragment in ("--python_out=", "--pyi_out=", "--grpc_python_out=", "-Iprotos"):
         assert fragment in makefile and fragment in dockerfile
-    rewrite = "s/^from (genai|kvstore)(\\.v1)? import/from genai_service._proto.\\1\\2 import/"
+    rewrite = "s/^from (genai|kvstore)(\\.v1)? import/from genai_proto.\\1\\2 import/"
     assert rewrite in makefile and rewrite in dockerfile
+    # Every package the distribution lists is copied in (the stubs are generated there),
+    # and the servers' dependencies come with the `server` extra.
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    for pattern in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]:
+        package = pattern.rstrip("*")
+        assert package == "genai_proto" or f"COPY {package}/ {package}/" in dockerfile, package
+    assert "pip install '.[server]'" in dockerfile
+    assert "'.[server,dev]'" in makefile
 
 
 @pytest.mark.parametrize("name", RENDERINGS)

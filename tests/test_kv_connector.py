@@ -12,7 +12,8 @@ import grpc
 import numpy as np
 import pytest
 
-from genai_service._proto.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from genai_proto.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from genai_service.engine.kv_codec import pack_kv
 from genai_service.engine.kv_connector import (
     STAT_NAMES,
     GrpcKvChunkStore,
@@ -21,7 +22,6 @@ from genai_service.engine.kv_connector import (
 from genai_service.engine.kv_connector_memory import MemoryKvChunkStore
 from genai_service.engine.kv_integrity import TAG_BYTES, KvIntegrity
 from genai_service.engine.prefix_cache import KvLayers, chunk_keys, make_namespace
-from kvstore.blob import pack_kv
 from kvstore.client import KvStoreClient
 from kvstore.server import KvStoreConfig, RunningServer, start_server
 from tests.server_harness import free_port

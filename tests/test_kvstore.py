@@ -20,9 +20,10 @@ import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from genai_service._proto.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from genai_proto.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from genai_service.engine.kv_codec import BlobError, pack_kv, unpack_kv
 from kvstore.__main__ import parse_bytes
-from kvstore.blob import BlobError, ChecksumError, checksum, pack_kv, unpack_kv
+from kvstore.checksum import ChecksumError, checksum
 from kvstore.client import AsyncKvStoreClient, KvStoreClient
 from kvstore.disk_tier import file_name
 from kvstore.protocol import CHANNEL_OPTIONS, MAX_FRAME_BYTES
@@ -500,8 +501,20 @@ async def test_health_and_reflection(start: StartServer) -> None:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
         request = reflection_pb2.ServerReflectionRequest(list_services="")
         responses = [r async for r in stub.ServerReflectionInfo(iter([request]), timeout=5)]
-    names = {s.name for s in responses[0].list_services_response.service}
-    assert {"kvstore.v1.KvStore", "grpc.health.v1.Health"} <= names
+        v1 = channel.stream_stream(  # grpc.reflection.v1: the same messages on the wire
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        v1_responses = [r async for r in v1(iter([request]), timeout=5)]
+    for response in (responses[0], v1_responses[0]):
+        names = {s.name for s in response.list_services_response.service}
+        assert {
+            "kvstore.v1.KvStore",
+            "grpc.health.v1.Health",
+            "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection",
+        } <= names
 
 
 @pytest.mark.asyncio

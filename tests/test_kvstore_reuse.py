@@ -10,8 +10,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from genai_common.credentials import channel_credentials
 from genai_service.config import CacheConfig, EngineConfig, KvStoreConfig, RunnerConfig
-from genai_service.credentials import channel_credentials
 from genai_service.engine.engine import LLMEngine
 from genai_service.engine.kv_connector_memory import MemoryKvChunkStore
 from genai_service.engine.request import GenerationRequest, StoppingCriteria
@@ -148,7 +148,7 @@ def test_session_migrates_between_engines(tiny_model_dir: Path, kvstore: KvStore
     b.close_session(sid)
     assert b.remote is not None and b.remote.flush(10)
     a.sessions.close(sid)  # evict from A's memory
-    from genai_service.errors import NotFound
+    from genai_common.errors import NotFound
 
     with pytest.raises(NotFound):
         a.wait(a.get_session(sid))
@@ -230,7 +230,7 @@ def test_session_migrates_between_server_processes(
 ) -> None:
     """Two genai-servers (each with its own engine process) sharing one kvstore."""
 
-    from genai_service._proto.genai.v1 import (
+    from genai_proto.genai.v1 import (
         generate_pb2,
         generate_pb2_grpc,
         session_pb2,

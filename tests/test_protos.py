@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from genai_service._proto.genai.v1 import generate_pb2, model_pb2, session_pb2
-from genai_service._proto.kvstore.v1 import kvstore_pb2
+from genai_proto.genai.v1 import generate_pb2, model_pb2, session_pb2
+from genai_proto.kvstore.v1 import kvstore_pb2
+from tests.buf_breaking import breaking_changes, git_ref
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,3 +56,43 @@ def test_public_names_of_the_design() -> None:
         "add_special_tokens",
     ):
         assert field in request, field
+
+
+GO_MODULE = "github.com/genai-grpc/genai-grpc/gen/go"
+
+
+def test_every_proto_has_the_go_package_of_its_directory() -> None:
+    # protoc-gen-go refuses a file without go_package (protos/buf.yaml says what the path is).
+    for path in sorted((ROOT / "protos").rglob("*.proto")):
+        package_dir = path.parent.relative_to(ROOT / "protos")  # genai/v1, kvstore/v1
+        want = f"{GO_MODULE}/{package_dir};{package_dir.parts[0]}{package_dir.parts[1]}"
+        assert f'option go_package = "{want}";' in path.read_text(), path
+
+
+def _has_parent_commit() -> bool:
+    if shutil.which("git") is None:
+        return False
+    probe = subprocess.run(
+        ["git", "rev-parse", "--verify", "--quiet", "HEAD~1"], cwd=ROOT, capture_output=True
+    )
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _has_parent_commit(), reason="not a git checkout with a parent commit")
+def test_no_breaking_change_against_the_commit_before() -> None:
+    assert breaking_changes(git_ref("HEAD~1")) == []
+
+
+def test_buf_breaking_catches_a_changed_go_package_and_a_renumbered_field(
+    tmp_path: Path,
+) -> None:
+    changed = tmp_path / "protos"
+    shutil.copytree(ROOT / "protos", changed)
+    kv = changed / "kvstore" / "v1" / "kvstore.proto"
+    kv.write_text(kv.read_text().replace("gen/go/kvstore/v1;kvstorev1", "elsewhere;kvstorev1"))
+    common = changed / "genai" / "v1" / "common.proto"
+    common.write_text(
+        common.read_text().replace("uint32 prompt_tokens = 1;", "uint32 prompt_tokens = 9;")
+    )
+    found = {v["type"] for v in breaking_changes(str(ROOT / "protos"), changed)}
+    assert found == {"FILE_SAME_GO_PACKAGE", "FIELD_NO_DELETE"}

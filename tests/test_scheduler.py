@@ -3,11 +3,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from genai_common.errors import ResourceExhausted
 from genai_service.config import SchedulerConfig
 from genai_service.engine.request import GenerationRequest, Priority
 from genai_service.engine.scheduler import Scheduler
 from genai_service.engine.sequence import SeqStatus, Sequence
-from genai_service.errors import ResourceExhausted
 
 
 def make_seq(rid: str, n_prompt: int, priority: Priority = Priority.NORMAL) -> Sequence:

@@ -1,4 +1,4 @@
-"""Bearer tokens, session ownership and TLS/mTLS on the control plane (DESIGN §6)."""
+"""Bearer tokens, session ownership and TLS/mTLS on the control plane (docs/design.md, "Security")."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from genai_client import (
     UnauthenticatedError,
     UnavailableError,
 )
-from genai_service._proto.genai.v1 import session_pb2
+from genai_proto.genai.v1 import session_pb2
 from genai_service.config import EngineConfig, ServerConfig
 from tests.server_harness import ServerThread, free_port
 

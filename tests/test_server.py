@@ -9,11 +9,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from google.protobuf import json_format
+from google.protobuf import descriptor_pb2, json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from genai_service._proto.genai.v1 import (
+from genai_proto.genai.v1 import (
     common_pb2,
     generate_pb2,
     generate_pb2_grpc,
@@ -79,10 +79,43 @@ def test_reflection_and_health(channel: grpc.Channel) -> None:
     )
     names = {s.name for r in responses for s in r.list_services_response.service}
     assert {"genai.v1.GenerateService", "genai.v1.SessionService", "genai.v1.ModelService"} <= names
+    assert {"grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"} <= (
+        names
+    )
     health = health_pb2_grpc.HealthStub(channel)
     for service in ("", "genai.v1.GenerateService"):
         status = health.Check(health_pb2.HealthCheckRequest(service=service)).status
         assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_reflection_v1(channel: grpc.Channel) -> None:
+    # A raw grpc.reflection.v1 call (its messages are v1alpha's on the wire).
+    info = channel.stream_stream(
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )
+    requests = [
+        reflection_pb2.ServerReflectionRequest(list_services=""),
+        reflection_pb2.ServerReflectionRequest(file_containing_symbol="genai.v1.GenerateService"),
+        reflection_pb2.ServerReflectionRequest(
+            file_containing_symbol="grpc.reflection.v1.ServerReflection"
+        ),
+    ]
+    listed, generate, v1 = list(info(iter(requests), timeout=10))
+    names = {s.name for s in listed.list_services_response.service}
+    assert {"genai.v1.GenerateService", "grpc.reflection.v1.ServerReflection"} <= names
+    files = [
+        descriptor_pb2.FileDescriptorProto.FromString(b)
+        for b in generate.file_descriptor_response.file_descriptor_proto
+    ]
+    assert "genai/v1/generate.proto" in {f.name for f in files}
+    (v1_file,) = [
+        descriptor_pb2.FileDescriptorProto.FromString(b)
+        for b in v1.file_descriptor_response.file_descriptor_proto
+    ]
+    assert v1_file.package == "grpc.reflection.v1"
+    assert v1_file.service[0].method[0].input_type == ".grpc.reflection.v1.ServerReflectionRequest"
 
 
 def test_generate_rpcs_match_the_in_process_engine(
@@ -202,6 +235,41 @@ def test_sessions_over_rpc(channel: grpc.Channel) -> None:
     ):
         code, _ = code_of(call)
         assert code == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_session_turns_prompt_tokens_count_the_history(channel: grpc.Channel) -> None:
+    # Usage.prompt_tokens (common.proto): history plus this turn's new input.
+    sessions = session_pb2_grpc.SessionServiceStub(channel)
+    stub = generate_pb2_grpc.GenerateServiceStub(channel)
+    models = model_pb2_grpc.ModelServiceStub(channel)
+    sid = sessions.CreateSession(session_pb2.CreateSessionRequest()).session.session_id
+    t1 = stub.Generate(gen_request("the cat sat", 4, session_id=sid))
+    t2 = stub.Generate(gen_request("on the mat", 4, session_id=sid, add_special_tokens=False))
+    new = models.Tokenize(model_pb2.TokenizeRequest(text="on the mat", add_special_tokens=False))
+    assert t1.usage.prompt_tokens == t1.session_tokens - 4
+    assert t2.usage.prompt_tokens == t1.session_tokens + len(new.token_ids)
+    assert t2.session_tokens == t2.usage.prompt_tokens + 4
+    sessions.CloseSession(session_pb2.CloseSessionRequest(session_id=sid))
+
+
+def test_a_stop_token_id_is_reported_as_its_text(channel: grpc.Channel) -> None:
+    # GenerateResponse.stop_sequence (generate.proto): the stop token's own text.
+    stub = generate_pb2_grpc.GenerateServiceStub(channel)
+    models = model_pb2_grpc.ModelServiceStub(channel)
+    free = stub.Generate(gen_request("the cat sat on the mat", 6))
+    stop_id = free.token_ids[2]
+    stop_text = models.Detokenize(
+        model_pb2.DetokenizeRequest(token_ids=[stop_id], skip_special_tokens=False)
+    ).text
+    assert stop_text
+    want_ids = list(free.token_ids[: list(free.token_ids).index(stop_id) + 1])
+    request = gen_request("the cat sat on the mat", 6, stopping=dict(stop_token_ids=[stop_id]))
+    unary = stub.Generate(request)
+    final = list(stub.GenerateStream(request))[-1].final
+    for result in (unary, final):
+        assert result.finish_reason == common_pb2.FINISH_REASON_STOP_SEQUENCE
+        assert result.stop_sequence == stop_text
+        assert list(result.token_ids) == want_ids
 
 
 @pytest.mark.parametrize(

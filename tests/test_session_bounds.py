@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from genai_service._proto.genai.v1 import (
+from genai_proto.genai.v1 import (
     generate_pb2,
     generate_pb2_grpc,
     session_pb2,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from genai_common.errors import NotFound, ResourceExhausted
 from genai_service.config import (
     CacheConfig,
     EngineConfig,
@@ -30,7 +31,6 @@ from genai_service.engine.request import (
     StoppingCriteria,
 )
 from genai_service.engine.restores import PendingCall
-from genai_service.errors import NotFound, ResourceExhausted
 from tests.tiny_model import encode_words, reference_greedy
 
 DELAY_S = 1.0  # each record fetch (and prefetch) takes this long once set

@@ -4,6 +4,12 @@ import base64
 
 import pytest
 
+from genai_common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from genai_service.config import SESSION_LIST_PAGE_BYTES, SessionConfig
 from genai_service.engine.sessions import (
     DEFAULT_PAGE_SIZE,
@@ -11,12 +17,6 @@ from genai_service.engine.sessions import (
     SessionTable,
     check_metadata,
     listed_bytes,
-)
-from genai_service.errors import (
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
 )
 
 

@@ -1,5 +1,5 @@
 """Request ids are scoped per principal: one tenant can neither block, detect nor cancel
-another's requests by reusing their ids (docs/design.md, "Processes")."""
+another's requests by reusing their ids (docs/design.md, "Processes and planes")."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from genai_service._proto.genai.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from genai_proto.genai.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from genai_service.config import CacheConfig, EngineConfig, ServerConfig
 from tests.server_harness import ServerThread, free_port
 

@@ -1,4 +1,4 @@
-"""Tests of the tiny-model test bed: the graph honours the DESIGN §2 contract and the KV path,
+"""Tests of the tiny-model test bed: the graph honours the model directory contract (docs/design.md, "Model directory") and the KV path,
 left-padded batches and the GQA variant all agree with the full-recompute reference."""
 
 from __future__ import annotations

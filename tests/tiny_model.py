@@ -1,6 +1,6 @@
 """Tiny deterministic decoder-only ONNX models for tests.
 
-`build_tiny_model(dir, spec)` writes a complete model directory (DESIGN.md §2): `model.onnx`
+`build_tiny_model(dir, spec)` writes a complete model directory (docs/design.md, "Model directory"): `model.onnx`
 with the past/present I/O contract, a word-level `tokenizer.json`, the chosen config file and
 `tokenizer_config.json` with a chat template. Weights come from `numpy.random.default_rng(seed)`,
 so the same spec always gives a byte-identical model.
@@ -315,7 +315,7 @@ def _gqa_attention(
 
 
 def _io(spec: TinyModelSpec) -> tuple[list[onnx.ValueInfoProto], list[onnx.ValueInfoProto]]:
-    """Graph inputs/outputs with the symbolic dims of DESIGN §2."""
+    """Graph inputs/outputs with the symbolic dims of docs/design.md, "Model directory"."""
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     vi = helper.make_tensor_value_info
     b, s, t = "batch_size", "sequence_length", "total_sequence_length"

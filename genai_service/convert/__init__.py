@@ -1,6 +1,7 @@
 """GGUF → ONNX model directory conversion (``genai-convert``) and the default model.
 
-- :func:`convert` writes a model directory (DESIGN §2) from a Llama-family GGUF file.
+- :func:`convert` writes a model directory (docs/design.md, "Model directory")
+  from a Llama-family GGUF file.
 - :func:`resolve_model` maps ``"default"`` to a cached conversion of the packaged
   SmolLM2-135M-Instruct GGUF and returns any other value as a directory path.
 """

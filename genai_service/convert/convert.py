@@ -1,4 +1,6 @@
-"""GGUF file → model directory (DESIGN §2): orchestration and the small config files.
+"""GGUF file → model directory: orchestration and the small config files.
+
+The directory contract is docs/design.md, "Model directory".
 
 The directory holds ``model.onnx`` + ``model.onnx.data``, ``tokenizer.json``,
 ``tokenizer_config.json``, ``genai_config.json`` (onnxruntime-genai format) and

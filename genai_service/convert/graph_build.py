@@ -1,4 +1,4 @@
-"""The ONNX graph of a Llama-family decoder (DESIGN §2 contract).
+"""The ONNX graph of a Llama-family decoder (docs/design.md, "Model directory").
 
 Inputs ``input_ids`` ``[batch, seq]`` and ``attention_mask`` ``[batch, total_seq]``
 (int64) and ``past_key_values.{i}.key/value`` ``[batch, kv_heads, past_seq, head_dim]``;

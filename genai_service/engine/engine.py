@@ -20,12 +20,13 @@ from typing import TypeVar
 import numpy as np
 import structlog
 
+from genai_common.errors import GenAIError, Internal, InvalidArgument, ResourceExhausted
+
 from ..config import EngineConfig
-from ..errors import GenAIError, Internal, InvalidArgument, ResourceExhausted
 from .kv_connector import KvChunkStore
 from .kv_reuse import KvReuse
 from .model_dir import ModelSpec, load_model_spec
-from .model_runner import ModelRunner, StepItem, create_runner
+from .model_runner import ModelRunner, StepItem
 from .request import (
     EngineInfo,
     FinishReason,
@@ -37,6 +38,7 @@ from .request import (
     merge_outputs,
 )
 from .restores import HeldOutputs, ParkedRequests, PendingCall, SessionCalls
+from .runners import create_runner
 from .sampling_rows import TokenPicker
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import SeqStatus, Sequence, new_sequence

@@ -1,4 +1,4 @@
-"""The engine's connector to the kvstore data plane (DESIGN.md §1, §4).
+"""The engine's connector to the kvstore data plane (docs/design.md, "KV chunk contract").
 
 The engine loop is synchronous and single-threaded; it must never wait on the
 network. ``GrpcKvChunkStore`` therefore runs all of its RPCs on one background
@@ -37,10 +37,11 @@ import grpc
 import numpy as np
 import structlog
 
-from genai_service.credentials import channel_credentials
-from kvstore.blob import BlobError, ChecksumError, KvHeader, pack_kv, unpack_kv
+from genai_common.credentials import channel_credentials
+from kvstore.checksum import ChecksumError
 from kvstore.client import AsyncKvStoreClient
 
+from .kv_codec import BlobError, KvHeader, pack_kv, unpack_kv
 from .kv_integrity import IntegrityError, KvIntegrity
 from .prefix_cache import KvLayers
 
@@ -77,7 +78,7 @@ def _dtype_name(dtype: object) -> str:
 
 def _key_label(key: bytes | None) -> str | None:
     """How a key appears in logs: chunk keys in hex; records by their kind only,
-    since a session id is a bearer secret (DESIGN.md §6)."""
+    since a session id is a bearer secret (docs/design.md, "Security")."""
     if key is None:
         return None
     kind, sep, _ = key.partition(b":")

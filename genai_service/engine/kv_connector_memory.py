@@ -12,8 +12,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from kvstore.blob import KvHeader
-
+from .kv_codec import KvHeader
 from .kv_connector import _CountingStore, _resolve
 from .kv_integrity import IntegrityError, KvIntegrity
 from .prefix_cache import KvLayers

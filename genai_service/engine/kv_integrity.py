@@ -1,8 +1,8 @@
 """Keyed MACs on everything the engine stores in the kvstore (docs/design.md,
-"KV chunks and integrity").
+"KV integrity").
 
 The kvstore holds opaque bytes that any data-plane client can write, and a
-blob's own checksum (``kvstore.blob``) is computed by its writer: it catches
+blob's own checksum (``kvstore.checksum``) is computed by its writer: it catches
 bit rot, not a forger. So the connector seals every KV chunk and session
 record it writes, ``sealed = data ‖ tag`` with::
 

@@ -2,7 +2,8 @@
 
 A session turn starts from the KV its session parked after the previous turn.
 Any other context is cut into complete chunks of ``chunk_size`` tokens, each
-keyed by its whole prefix (``prefix_cache.chunk_keys``, DESIGN §4). Chunks a
+keyed by its whole prefix (``prefix_cache.chunk_keys``;
+docs/design.md, "KV chunk contract"). Chunks a
 sequence has computed are put into the local ``PrefixIndex`` and pushed to the
 kvstore (``KvChunkStore``), so a later request with the same prefix, on this
 replica or another, starts with that KV written into the model runner instead

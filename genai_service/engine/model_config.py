@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from genai_service.errors import ModelLoadError
+from genai_common.errors import ModelLoadError
 
 GENAI_CONFIG_FILE = "genai_config.json"
 INFERENCE_METADATA_FILE = "inference_metadata.yaml"

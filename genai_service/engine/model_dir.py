@@ -1,6 +1,6 @@
 """Model directory: what the engine needs to know about a model before running it.
 
-A model directory (DESIGN.md §2) holds ``model.onnx`` (+ external data),
+A model directory (docs/design.md, "Model directory") holds ``model.onnx`` (+ external data),
 ``tokenizer.json`` and optionally ``genai_config.json`` (onnxruntime-genai),
 ``inference_metadata.yaml`` (onnx-genai), ``generation_config.json``,
 ``tokenizer_config.json`` and ``chat_template.jinja``.
@@ -24,7 +24,7 @@ from typing import Any
 
 import onnx
 
-from genai_service.errors import ModelLoadError
+from genai_common.errors import ModelLoadError
 
 # Public config names stay importable from here (``X as X``: re-exported on purpose).
 from .model_config import CHAT_TEMPLATE_FILE as CHAT_TEMPLATE_FILE
@@ -51,7 +51,8 @@ from .model_config import SAMPLING_KEYS as SAMPLING_KEYS
 MODEL_FILE = "model.onnx"
 TOKENIZER_FILE = "tokenizer.json"
 
-# Canonical tensor names (DESIGN.md §2); genai_config.json may rename the KV ones.
+# Canonical tensor names (docs/design.md, "Model directory");
+# genai_config.json may rename the KV ones.
 INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"
 POSITION_IDS = "position_ids"
@@ -479,7 +480,9 @@ def _external_data_sizes(model: onnx.ModelProto, onnx_path: Path) -> dict[str, i
 
 
 def _fingerprint(graph_bytes: bytes, external_sizes: Mapping[str, int]) -> str:
-    """blake2b over the graph bytes and each external file's (name, size) — DESIGN.md §4.
+    """blake2b over the graph bytes and each external file's (name, size).
+
+    See docs/design.md, "Model directory".
 
     Weights are not hashed (they can be gigabytes); a re-export changes the graph
     bytes or the data sizes. Every field is length-prefixed so no two inputs collide.

@@ -1,6 +1,6 @@
 """Model runners: turn "compute these tokens of these sequences" into logits.
 
-One interface, implementations per KV strategy (DESIGN §3). A runner owns the
+One interface, implementations per KV strategy (docs/design.md, "Engine modules"). A runner owns the
 KV of every sequence it runs, keyed by the engine's ``seq_id``; the engine
 only moves KV in and out as host arrays (prefix hits, session parking).
 """
@@ -244,22 +244,3 @@ class PastPresentRunner(ModelRunner):
                 for layer in range(spec.kv.num_layers)
             ]
         return np.asarray(logits[:, -keep:, :], np.float32)
-
-
-def create_runner(
-    spec: ModelSpec, config: RunnerConfig, max_slots: int, max_len: int
-) -> ModelRunner:
-    """Pick the runner the graph allows: shared-buffer for GroupQueryAttention
-    graphs, past/present otherwise (``config.runner`` may force one)."""
-    kind = config.runner
-    if kind == "auto":
-        kind = "shared_buffer" if spec.uses_gqa else "past_present"
-    if kind == "shared_buffer":
-        if not spec.uses_gqa:
-            raise ValueError(
-                "runner: shared_buffer needs a graph with com.microsoft.GroupQueryAttention"
-            )
-        from .shared_buffer_runner import SharedBufferRunner
-
-        return SharedBufferRunner(spec, config, max_slots=max_slots, max_len=max_len)
-    return PastPresentRunner(spec, config)

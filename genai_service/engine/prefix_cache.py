@@ -1,4 +1,4 @@
-"""Chunk keys (docs/design.md, "KV chunks and integrity") and the in-process prefix index.
+"""Chunk keys (docs/design.md, "KV chunk contract") and the in-process prefix index.
 
 A prompt is cut into complete chunks of ``chunk_size`` tokens; chunk ``i``
 gets the key ``k_i = H(k_{i-1} ‖ tokens of chunk i as little-endian uint32)``

@@ -2,7 +2,7 @@
 
 A session that is not in memory (evicted, or created on another replica) may
 still have a record in the kvstore. Fetching it is network I/O, so it never
-happens on the engine loop (docs/design.md "Sessions"): ``SessionRestores``
+happens on the engine loop (docs/design.md, "Sessions"): ``SessionRestores``
 starts the fetch on the connector's thread, and the call that needs the
 session (a GetSession, a turn, ...) waits as a ``PendingCall`` while the
 engine keeps stepping every other sequence. Each step ``poll`` adopts the
@@ -26,7 +26,8 @@ from typing import Any, TypeVar
 
 import structlog
 
-from ..errors import GenAIError, Internal, PermissionDenied, ResourceExhausted
+from genai_common.errors import GenAIError, Internal, PermissionDenied, ResourceExhausted
+
 from .kv_connector import KvChunkStore
 from .request import FinishReason, GenerationRequest, RequestOutput, Usage
 from .sessions import (

@@ -13,8 +13,9 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from genai_common.errors import ResourceExhausted
+
 from ..config import SchedulerConfig
-from ..errors import ResourceExhausted
 from .sequence import SeqStatus, Sequence
 
 

@@ -11,7 +11,7 @@ session, or one created on another replica sharing the integrity secret, can
 be restored from it. The table never fetches records itself: the engine does,
 off its loop, and hands what arrives to ``adopt``.
 
-Metadata and listings are bounded (docs/design.md "Sessions"):
+Metadata and listings are bounded (docs/design.md, "Sessions"):
 ``check_metadata`` before a session is created, ``SessionTable.page`` for
 ListSessions.
 """
@@ -33,13 +33,14 @@ from typing import Any
 
 import structlog
 
+from genai_common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+
 from ..config import SESSION_LIST_PAGE_BYTES, SessionConfig
-from ..errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from .prefix_cache import kv_nbytes
 
 log = structlog.get_logger(__name__)
 
-SESSION_ID_BYTES = 16  # 128-bit random ids (DESIGN §6)
+SESSION_ID_BYTES = 16  # 128-bit random ids (docs/design.md, "Security")
 _SESSION_ID = re.compile(r"[0-9a-f]{32}")  # secrets.token_hex(SESSION_ID_BYTES)
 DEFAULT_PAGE_SIZE = 50  # ListSessions page_size 0 (AIP-158)
 MAX_PAGE_SIZE = 1000  # larger page sizes are lowered to it (AIP-158)
@@ -99,7 +100,7 @@ class SessionPage:
 
 
 def not_found(session_id: str) -> NotFound:
-    # Never say whether the id was unknown, expired or malformed (DESIGN §5).
+    # Never say whether the id was unknown, expired or malformed (docs/design.md, "Status codes").
     return NotFound(f"session_id: no session {session_id[:64]!r}")
 
 

@@ -1,4 +1,6 @@
-"""The shared-buffer runner: KV written in place by GroupQueryAttention (DESIGN §3).
+"""The shared-buffer runner: KV written in place by GroupQueryAttention.
+
+See docs/design.md, "Engine modules".
 
 Per layer, K and V live in one buffer ``[max_slots, kv_heads, max_len,
 head_dim]`` allocated once (``np.zeros``: pages are only touched, and so only

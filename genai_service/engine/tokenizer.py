@@ -18,6 +18,7 @@ import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from genai_common.errors import InvalidArgument, ModelLoadError
 from genai_service.engine.model_config import (
     TOKENIZER_CONFIG_FILE,
     find_chat_template,
@@ -25,7 +26,6 @@ from genai_service.engine.model_config import (
     special_token_text,
 )
 from genai_service.engine.model_dir import TOKENIZER_FILE, ModelSpec
-from genai_service.errors import InvalidArgument, ModelLoadError
 
 
 class Tokenizer:

@@ -10,8 +10,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from genai_common.errors import InvalidArgument
+
 from ..config import LimitsConfig
-from ..errors import InvalidArgument
 from .request import GenerationRequest
 
 UINT64_MAX = 2**64 - 1

@@ -11,9 +11,11 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
 
-from .._proto.genai.v1 import (
+from genai_common.credentials import server_credentials
+from genai_common.decoding import TolerantDecoding
+from genai_common.reflection import enable_reflection
+from genai_proto.genai.v1 import (
     generate_pb2,
     generate_pb2_grpc,
     model_pb2,
@@ -21,9 +23,8 @@ from .._proto.genai.v1 import (
     session_pb2,
     session_pb2_grpc,
 )
+
 from ..config import ServerConfig
-from ..credentials import server_credentials
-from ..decoding import TolerantDecoding
 from ..engine.model_dir import load_model_spec
 from ..engine.tokenizer import Tokenizer
 from .engine_process import EngineProcess
@@ -75,12 +76,8 @@ class GenAIServer:
         )
         model_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(self.frontend), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (
-                *SERVICE_NAMES,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
+        enable_reflection(
+            (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
             self.server,
         )
         address = f"{config.host}:{config.port}"

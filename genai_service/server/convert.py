@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Sequence
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from .._proto.genai.v1 import common_pb2, generate_pb2, model_pb2, session_pb2
+from genai_common.errors import InvalidArgument
+from genai_proto.genai.v1 import common_pb2, generate_pb2, model_pb2, session_pb2
+
 from ..engine.request import (
     EngineInfo,
     FinishReason,
@@ -21,7 +22,6 @@ from ..engine.request import (
 )
 from ..engine.sessions import SessionInfo
 from ..engine.tokenizer import Tokenizer
-from ..errors import InvalidArgument
 
 _PRIORITY = {
     common_pb2.PRIORITY_UNSPECIFIED: Priority.NORMAL,
@@ -123,7 +123,7 @@ def generation_request(
         time_limit_ms=_opt(st, "time_limit_ms"),  # type: ignore[arg-type]
     )
     return GenerationRequest(
-        request_id=request.request_id or uuid.uuid4().hex,
+        request_id=request.request_id,  # never empty: `rpc` assigns one; GenerateBidi needs one
         prompt_token_ids=tuple(token_ids),
         sampling=sampling,
         stopping=stopping,

@@ -1,4 +1,6 @@
-"""The engine's own OS process and the frontend's handle on it (DESIGN §1).
+"""The engine's own OS process and the frontend's handle on it.
+
+See docs/design.md, "Processes and planes".
 
 The frontend never runs model compute; it talks to the engine over a
 ``multiprocessing`` pipe carrying small pickled messages: requests, aborts,
@@ -19,7 +21,7 @@ loop keeps stepping meanwhile.
 Request ids are the client's and scoped per principal: the engine sees an id
 of its own for each request (the client's id plus a random suffix), so two
 principals may use the same id and neither can abort, or learn of, the
-other's request (docs/design.md, "Processes").
+other's request (docs/design.md, "Processes and planes").
 """
 
 from __future__ import annotations
@@ -41,10 +43,11 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from genai_common.errors import GenAIError, Internal, InvalidArgument, Unavailable
+
 from ..config import EngineConfig
 from ..engine.request import GenerationRequest, RequestOutput, merge_outputs
 from ..engine.restores import PendingCall
-from ..errors import GenAIError, Internal, InvalidArgument, Unavailable
 
 if TYPE_CHECKING:
     from ..engine.engine import LLMEngine
@@ -107,9 +110,10 @@ class _Outbox:
 
 def _engine_main(config: EngineConfig, conn: Connection, log_format: str) -> None:
     """Entry point of the engine process."""
+    from genai_common.logging import configure_logging
+
     from ..engine.engine import LLMEngine
     from ..engine.request import SamplingParams, StoppingCriteria
-    from ..logging import configure_logging
 
     configure_logging(log_format)
     plog = structlog.get_logger("genai_service.engine_process")

@@ -1,6 +1,6 @@
 """Thin adapters: validate → submit to the engine → convert → yield.
 
-One decorator, ``rpc``, maps domain errors to status codes (DESIGN §5) and
+One decorator, ``rpc``, maps domain errors to status codes (docs/design.md, "Status codes") and
 binds a request id to every log line of the call.
 """
 
@@ -21,7 +21,10 @@ from typing import Any
 import grpc
 import structlog
 
-from .._proto.genai.v1 import (
+from genai_common.decoding import Undecodable
+from genai_common.errors import GenAIError, InvalidArgument, Unauthenticated, Unavailable
+from genai_common.status import status_code
+from genai_proto.genai.v1 import (
     generate_pb2,
     generate_pb2_grpc,
     model_pb2,
@@ -29,11 +32,10 @@ from .._proto.genai.v1 import (
     session_pb2,
     session_pb2_grpc,
 )
-from ..decoding import Undecodable
+
 from ..engine.request import RequestOutput
 from ..engine.sessions import check_metadata
 from ..engine.tokenizer import Tokenizer
-from ..errors import GenAIError, InvalidArgument, Unauthenticated, Unavailable
 from . import convert
 from .engine_process import EngineProcess
 from .metrics import Metrics
@@ -142,10 +144,6 @@ def _event_fields(event: generate_pb2.Delta | generate_pb2.Final) -> dict[str, A
     return {"delta": event} if isinstance(event, generate_pb2.Delta) else {"final": event}
 
 
-def status_code(error: GenAIError) -> grpc.StatusCode:
-    return getattr(grpc.StatusCode, error.code, grpc.StatusCode.INTERNAL)
-
-
 def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a servicer method (unary or async-generator) with error mapping and log context."""
     name = fn.__name__
@@ -158,6 +156,8 @@ def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
 
     def bind(request: Any) -> None:
+        # The one place a request id is made: for a request that has none, and
+        # for the log lines of an RPC without one (a GenerateBidi call's own).
         rid = getattr(request, "request_id", "") or uuid.uuid4().hex
         if hasattr(request, "request_id") and not request.request_id:
             request.request_id = rid

@@ -1,4 +1,4 @@
-"""Domain errors, one class per gRPC status code (DESIGN.md §5).
+"""Domain errors, one class per gRPC status code (docs/design.md, "Status codes").
 
 The engine and the frontend raise these; exactly one place (the servicer
 interceptor) maps them to status codes. Engine code never imports grpc.

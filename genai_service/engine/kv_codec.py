@@ -1,4 +1,4 @@
-"""KV chunk payload and blob checksums (DESIGN.md §4).
+"""KV chunk payloads: the engine's codec for the KV it shares through the kvstore.
 
 A KV chunk payload is::
 
@@ -8,17 +8,19 @@ A KV chunk payload is::
              little-endian, C order
     trailer  blake2b(digest_size=16) of header + body             (16 bytes)
 
-The kvstore itself treats blobs as opaque bytes; ``checksum`` is the whole-blob
-digest that the Put/Get frames carry.
+This is the engine's format: the kvstore stores payloads as opaque blobs (with
+a checksum of its own, ``kvstore.checksum``), and only the engine's connector
+packs and unpacks them (docs/design.md, "KV chunk contract").
 """
 
 from __future__ import annotations
 
-import hashlib
 import struct
 from dataclasses import dataclass
 
 import numpy as np
+
+from kvstore.checksum import ChecksumError, checksum
 
 MAGIC = b"GKV1"
 VERSION = 1
@@ -40,22 +42,8 @@ class BlobError(ValueError):
     """A payload that is not a well-formed KV chunk."""
 
 
-class ChecksumError(BlobError):
-    """A payload or blob whose checksum does not match its bytes."""
-
-
-def checksum(data: bytes | bytearray | memoryview, digest_size: int = 16) -> bytes:
-    """blake2b digest of ``data``; ``digest_size`` is 16 or 32 bytes."""
-    if digest_size not in (16, 32):
-        raise ValueError(f"digest_size must be 16 or 32, got {digest_size}")
-    return hashlib.blake2b(data, digest_size=digest_size).digest()
-
-
-def verify_checksum(data: bytes | bytearray | memoryview, expected: bytes) -> bool:
-    """True when ``expected`` (16 or 32 bytes) is the blake2b digest of ``data``."""
-    if len(expected) not in (16, 32):
-        return False
-    return hashlib.blake2b(data, digest_size=len(expected)).digest() == expected
+class PayloadChecksumError(BlobError, ChecksumError):
+    """A payload whose trailer does not match its bytes: malformed, and a checksum failure."""
 
 
 @dataclass(frozen=True)
@@ -125,15 +113,15 @@ def unpack_kv(blob: bytes | memoryview) -> tuple[KvHeader, list[tuple[np.ndarray
     """Verify and parse a payload made by ``pack_kv``.
 
     Returns read-only views into ``blob`` (no copy), K and V per layer, each
-    [kv_heads, num_tokens, head_dim]. Raises ``ChecksumError`` when the trailer
-    does not match and ``BlobError`` when the payload is malformed.
+    [kv_heads, num_tokens, head_dim]. Raises ``PayloadChecksumError`` when the
+    trailer does not match and ``BlobError`` when the payload is malformed.
     """
     if len(blob) < HEADER_BYTES + TRAILER_BYTES:
         raise BlobError(f"KV payload of {len(blob)} bytes is shorter than its header and trailer")
     view = memoryview(blob)
     body_end = len(blob) - TRAILER_BYTES
     if checksum(view[:body_end], TRAILER_BYTES) != bytes(view[body_end:]):
-        raise ChecksumError("KV payload checksum mismatch")
+        raise PayloadChecksumError("KV payload checksum mismatch")
     magic, version, code, _, num_layers, kv_heads, head_dim, num_tokens = _HEADER.unpack_from(blob)
     if magic != MAGIC:
         raise BlobError(f"KV payload magic is {magic!r}, expected {MAGIC!r}")

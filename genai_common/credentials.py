@@ -1,4 +1,4 @@
-"""Credentials read from files, for both planes (docs/design.md, Processes).
+"""Credentials read from files, for both planes (docs/design.md, "Processes and planes").
 
 TLS certificates and keys (PEM) for the servers and the data-plane client,
 and secrets kept one per file (a bearer token mounted from a Kubernetes

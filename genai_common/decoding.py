@@ -9,8 +9,7 @@ request, or as an item of a request stream), and the servicer's error mapping
 answers ``INVALID_ARGUMENT`` naming the problem (docs/design.md, "Status codes").
 
 Both servers use it: the frontend for the genai.v1 services and ``genai-kvstore``
-for kvstore.v1 (which imports ``genai_service`` only for its stubs, its errors
-and this; never the frontend or the engine).
+for kvstore.v1 (which imports nothing from ``genai_service``).
 """
 
 from __future__ import annotations

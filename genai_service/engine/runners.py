@@ -1,0 +1,29 @@
+"""The runner factory: which ``ModelRunner`` a model gets (docs/design.md, Engine modules).
+
+Kept apart from ``model_runner`` (the interface and the past/present runner) so
+that the base module knows none of its subclasses.
+"""
+
+from __future__ import annotations
+
+from ..config import RunnerConfig
+from .model_dir import ModelSpec
+from .model_runner import ModelRunner, PastPresentRunner
+from .shared_buffer_runner import SharedBufferRunner
+
+
+def create_runner(
+    spec: ModelSpec, config: RunnerConfig, max_slots: int, max_len: int
+) -> ModelRunner:
+    """Pick the runner the graph allows: shared-buffer for GroupQueryAttention
+    graphs, past/present otherwise (``config.runner`` may force one)."""
+    kind = config.runner
+    if kind == "auto":
+        kind = "shared_buffer" if spec.uses_gqa else "past_present"
+    if kind == "shared_buffer":
+        if not spec.uses_gqa:
+            raise ValueError(
+                "runner: shared_buffer needs a graph with com.microsoft.GroupQueryAttention"
+            )
+        return SharedBufferRunner(spec, config, max_slots=max_slots, max_len=max_len)
+    return PastPresentRunner(spec, config)

@@ -1,0 +1,67 @@
+"""docs/design.md is the design of record: what cites it names its sections, nothing cites elsewhere."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DESIGN = ROOT / "docs" / "design.md"
+SOURCES = ("genai_service", "genai_client", "kvstore", "protos", "tests", "bench", "docs", "k8s")
+SUFFIXES = {".py", ".pyi", ".proto", ".md", ".yaml", ".yml"}
+# A citation: docs/design.md, "Section" (the comma may be left out).
+CITATION = re.compile(r'docs/design\.md,? "([^"]+)"')
+# A cross-reference inside docs/design.md: (see "Section").
+SEE = re.compile(r'see "([^"]+)"')
+
+
+def _files() -> Iterator[Path]:
+    yield ROOT / "README.md"
+    yield ROOT / "Makefile"
+    for top in SOURCES:
+        for path in sorted((ROOT / top).rglob("*")):
+            if "_proto" in path.parts or "results" in path.parts or path == Path(__file__):
+                continue
+            if path.is_file() and path.suffix in SUFFIXES:
+                yield path
+
+
+def _headings() -> set[str]:
+    return {m.group(1).strip() for m in re.finditer(r"^#+ (.+)$", DESIGN.read_text(), re.M)}
+
+
+def test_nothing_cites_the_shared_design_document() -> None:
+    found = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for path in _files()
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+        if "DESIGN.md" in line or "DESIGN §" in line
+    ]
+    assert found == [], "cite docs/design.md sections by name instead"
+
+
+def test_every_citation_names_a_section_of_docs_design_md() -> None:
+    headings = _headings()
+    assert {
+        "Processes and planes",
+        "Model directory",
+        "KV chunk contract",
+        "Status codes",
+        "Security",
+        "Public API names",
+    } <= headings
+    cited = [
+        (str(path.relative_to(ROOT)), name)
+        for path in _files()
+        for name in CITATION.findall(path.read_text(errors="replace"))
+    ]
+    cited += [("docs/design.md (see)", name) for name in SEE.findall(DESIGN.read_text())]
+    bad = [(where, name) for where, name in cited if name not in headings]
+    assert bad == []
+
+
+def test_citations_are_found() -> None:
+    # The pattern above must actually see the citations (a typo in it would pass vacuously).
+    cited = {name for path in _files() for name in CITATION.findall(path.read_text())}
+    assert {"Status codes", "KV chunk contract", "Processes and planes"} <= cited
