@@ -24,7 +24,7 @@ from genai_proto.genai.v1 import (
 )
 from genai_service.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
 from genai_service.engine.engine import LLMEngine
-from genai_service.engine.request import GenerationRequest, StoppingCriteria
+from genai_service.engine.request import GenerationRequest, RequestOutput, StoppingCriteria
 from tests.server_harness import ServerThread, free_port
 from tests.tiny_model import encode_words
 
@@ -342,7 +342,7 @@ def test_model_info_tokenize_detokenize(channel: grpc.Channel) -> None:
 
 def engine_stats(server: ServerThread) -> dict:
     assert server.server is not None
-    return server.run(server.server.engine.call("stats"))
+    return server.run(server.server.engine.stats())
 
 
 def test_client_cancel_and_deadline_abort_the_engine_request(
@@ -724,20 +724,23 @@ def test_a_request_id_already_in_flight_is_invalid_argument(channel: grpc.Channe
 def test_the_engine_outbox_keeps_order_flushes_on_close_and_notes_a_broken_pipe() -> None:
     import multiprocessing as mp
 
-    from genai_service.server.engine_process import _Outbox
+    from genai_service.engine.process_main import Outbox
+    from genai_service.engine.protocol import Outputs
 
     reader, writer = mp.Pipe(duplex=False)
-    outbox = _Outbox(writer)
+    outbox = Outbox(writer)
     for i in range(200):
-        outbox.send(("outputs", [i]))
+        outbox.send(Outputs((RequestOutput(f"r{i}"),)))
     outbox.close()  # returns once everything queued is written
-    assert [reader.recv()[1][0] for _ in range(200)] == list(range(200))
+    assert [reader.recv().outputs[0].request_id for _ in range(200)] == [
+        f"r{i}" for i in range(200)
+    ]
     assert not reader.poll() and not outbox.broken
 
     reader, writer = mp.Pipe(duplex=False)
     reader.close()  # the frontend is gone
-    outbox = _Outbox(writer)
-    outbox.send(("outputs", []))
+    outbox = Outbox(writer)
+    outbox.send(Outputs(()))
     outbox.close()
     assert outbox.broken  # the engine loop stops on this
 

@@ -51,8 +51,9 @@ T = TypeVar("T")
 class PendingCall:
     """The answer of an engine call that waits for a session record.
 
-    The engine process sends it when the engine resolves it (from a later
-    ``step``); in-process callers use ``LLMEngine.wait``. ``cancel`` drops
+    The engine process (``process_main``) sends its answer, ``CallDone`` or
+    ``CallFailed``, when the engine resolves it (from a later ``step``);
+    in-process callers use ``LLMEngine.wait``. ``cancel`` drops
     the answer (an aborted request).
     """
 

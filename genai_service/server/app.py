@@ -131,7 +131,7 @@ class GenAIServer:
         while not self.frontend.draining:
             if self.engine.ready:
                 with contextlib.suppress(Exception):
-                    self.metrics.engine.snapshot = await self.engine.call("stats")
+                    self.metrics.engine.snapshot = await self.engine.stats()
             await asyncio.sleep(interval_s)
 
     async def stop(self, grace_s: float | None = None) -> None:

@@ -104,7 +104,7 @@ class Frontend:
         session = None
         if request.session_id:
             # NOT_FOUND for an unknown session comes from here, before any work.
-            session = await self.engine.call("get_session", request.session_id, _principal.get())
+            session = await self.engine.get_session(request.session_id, _principal.get())
         ids, _ = convert.prompt_token_ids(request, self.tokenizer, self.max_input_chars, session)
         return dataclasses.replace(
             convert.generation_request(request, ids), principal=_principal.get()
@@ -342,38 +342,36 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
             ttl = float(request.idle_ttl_seconds)
         # Before anything reaches the engine (docs/design.md "Sessions").
         check_metadata(request.metadata, self.fe.engine.config.sessions)
-        info = await self.fe.engine.call(
-            "create_session", ttl, _principal.get(), dict(request.metadata)
-        )
+        info = await self.fe.engine.create_session(ttl, _principal.get(), dict(request.metadata))
         return session_pb2.CreateSessionResponse(session=convert.session(info))
 
     @rpc
     async def GetSession(
         self, request: session_pb2.GetSessionRequest, context: grpc.aio.ServicerContext
     ) -> session_pb2.GetSessionResponse:
-        info = await self.fe.engine.call("get_session", request.session_id, _principal.get())
+        info = await self.fe.engine.get_session(request.session_id, _principal.get())
         return session_pb2.GetSessionResponse(session=convert.session(info))
 
     @rpc
     async def ResetSession(
         self, request: session_pb2.ResetSessionRequest, context: grpc.aio.ServicerContext
     ) -> session_pb2.ResetSessionResponse:
-        info = await self.fe.engine.call("reset_session", request.session_id, _principal.get())
+        info = await self.fe.engine.reset_session(request.session_id, _principal.get())
         return session_pb2.ResetSessionResponse(session=convert.session(info))
 
     @rpc
     async def CloseSession(
         self, request: session_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> session_pb2.CloseSessionResponse:
-        await self.fe.engine.call("close_session", request.session_id, _principal.get())
+        await self.fe.engine.close_session(request.session_id, _principal.get())
         return session_pb2.CloseSessionResponse()
 
     @rpc
     async def ListSessions(
         self, request: session_pb2.ListSessionsRequest, context: grpc.aio.ServicerContext
     ) -> session_pb2.ListSessionsResponse:
-        page = await self.fe.engine.call(
-            "list_sessions", _principal.get(), request.page_size, request.page_token
+        page = await self.fe.engine.list_sessions(
+            _principal.get(), request.page_size, request.page_token
         )
         return session_pb2.ListSessionsResponse(
             sessions=[convert.session(i) for i in page.sessions],

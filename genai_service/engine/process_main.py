@@ -1,0 +1,217 @@
+"""The engine process: its entry point, its loop and its outbox.
+
+See docs/design.md, "Processes and planes". The frontend starts this process
+with ``spawn`` (``genai_service.server.engine_process.EngineProcess``) and
+talks to it over a pipe of ``protocol`` messages: the loop takes requests,
+aborts and calls, steps the engine, and queues each step's outputs for the
+outbox thread, which writes them so the loop never blocks on the pipe.
+
+A call whose answer waits on the kvstore (a session restored from its record)
+returns a ``PendingCall``; its answer goes out from a later step, and the
+loop keeps stepping meanwhile.
+
+Plain Python at import time: the model (and ONNX Runtime) is loaded inside
+``engine_main``, so the frontend imports this module for the spawn target.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any, assert_never
+
+import structlog
+
+from genai_common.errors import GenAIError, Internal
+
+from ..config import EngineConfig
+from .protocol import (
+    AbortRequest,
+    AddRequest,
+    Call,
+    CallDone,
+    CallFailed,
+    CloseSession,
+    CreateSession,
+    EngineCall,
+    Fatal,
+    FromEngine,
+    GetSession,
+    ListSessions,
+    Outputs,
+    Ready,
+    ResetSession,
+    Stats,
+    Stop,
+    ToEngine,
+)
+from .request import GenerationRequest, RequestOutput
+from .restores import PendingCall
+
+if TYPE_CHECKING:
+    from .engine import LLMEngine
+
+log = structlog.get_logger("genai_service.engine_process")
+
+IDLE_POLL_S = 0.05
+WAIT_POLL_S = 0.002
+
+
+class Outbox:
+    """Messages to the frontend, sent in order by a thread of their own.
+
+    The engine loop never blocks on the pipe: when the frontend falls behind
+    (a full pipe, a GC pause, no CPU to spare) the engine keeps stepping, and
+    pickling and writing a step's outputs overlap the next model run, which
+    releases the GIL. (Measured on 2 cores: no change in single-stream decode
+    through the server beyond run-to-run noise; see docs/benchmarks.md.)
+    """
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._queue: queue_mod.SimpleQueue[FromEngine | None] = queue_mod.SimpleQueue()
+        self.broken = False  # the frontend is gone
+        self._thread = threading.Thread(target=self._run, name="engine-outbox", daemon=True)
+        self._thread.start()
+
+    def send(self, msg: FromEngine) -> None:
+        self._queue.put(msg)
+
+    def close(self) -> None:
+        """Send what is queued, then stop."""
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (msg := self._queue.get()) is not None:
+            if self.broken:
+                continue
+            try:
+                self._conn.send(msg)
+            except (BrokenPipeError, OSError):
+                self.broken = True
+
+
+def engine_main(config: EngineConfig, conn: Connection, log_format: str) -> None:
+    """Entry point of the engine process."""
+    from genai_common.logging import configure_logging
+
+    from .engine import LLMEngine
+    from .request import SamplingParams, StoppingCriteria
+
+    configure_logging(log_format)
+    try:
+        engine = LLMEngine(config)
+        # Warm-up: one real prefill + decode step so the first client request
+        # does not pay for ORT's lazy initialisation.
+        warm = GenerationRequest(
+            "__warmup__",
+            (0,),
+            SamplingParams(),
+            StoppingCriteria(max_new_tokens=2, ignore_eos=True),
+        )
+        engine.generate(warm)
+        engine.prefix_index.clear()
+    except Exception as exc:
+        log.exception("engine_start_failed")
+        conn.send(Fatal(f"engine failed to start: {exc}"))
+        return
+    conn.send(Ready(engine.info()))
+    log.info("engine_ready", pid=os.getpid(), runner=engine.runner.kind)
+
+    outbox = Outbox(conn)
+    try:
+        serve(engine, conn, outbox)
+    finally:
+        outbox.close()
+
+
+def dispatch(engine: LLMEngine, call: Call) -> Any:
+    """Run ``call`` on the engine: its answer, or a ``PendingCall`` for it."""
+    match call:
+        case CreateSession():
+            return engine.create_session(call.idle_ttl_s, call.owner, call.metadata)
+        case GetSession():
+            return engine.get_session(call.session_id, call.principal)
+        case ResetSession():
+            return engine.reset_session(call.session_id, call.principal)
+        case CloseSession():
+            return engine.close_session(call.session_id, call.principal)
+        case ListSessions():
+            return engine.list_sessions(call.principal, call.page_size, call.page_token)
+        case Stats():
+            return engine.stats()
+        case _:
+            assert_never(call)
+
+
+def answer_call(engine: LLMEngine, msg: EngineCall, send: Callable[[FromEngine], None]) -> None:
+    """Dispatch ``msg``'s call and ``send`` its answer, now or (a ``PendingCall``)
+    from the step that resolves it. A ``GenAIError`` is the caller's to see; any
+    other exception is a bug, answered ``Internal``."""
+    call_id = msg.call_id
+    try:
+        result = dispatch(engine, msg.call)
+    except GenAIError as exc:
+        send(CallFailed(call_id, exc))
+        return
+    except Exception as exc:
+        name = type(msg.call).__name__
+        log.exception("call_failed", call=name)
+        send(CallFailed(call_id, Internal(f"{name}: {exc}")))
+        return
+    if isinstance(result, PendingCall):
+
+        def settled(ok: bool, value: Any) -> None:
+            send(CallDone(call_id, value) if ok else CallFailed(call_id, value))
+
+        result.add_done_callback(settled)
+    else:
+        send(CallDone(call_id, result))
+
+
+def add_request(engine: LLMEngine, request: GenerationRequest) -> RequestOutput | None:
+    """Admit ``request``; if it is refused, its one output, carrying the error."""
+    try:
+        engine.add_request(request)
+    except GenAIError as exc:
+        return RequestOutput(request.request_id, finished=True, error=exc)
+    except Exception as exc:
+        log.exception("add_request_failed", request_id=request.request_id)
+        return RequestOutput(request.request_id, finished=True, error=Internal(str(exc)))
+    return None
+
+
+def serve(engine: LLMEngine, conn: Connection, outbox: Outbox) -> None:
+    """The engine process's loop: take messages, step, queue outputs."""
+    while not outbox.broken:
+        # Block when there is nothing to step; nap briefly when the only work is
+        # waiting on I/O (kvstore fetches, session records).
+        if not engine.has_unfinished():
+            timeout = IDLE_POLL_S
+        else:
+            timeout = WAIT_POLL_S if engine.last_step_idle else 0.0
+        while conn.poll(timeout):
+            timeout = 0.0
+            msg: ToEngine = conn.recv()
+            match msg:
+                case AddRequest():
+                    refused = add_request(engine, msg.request)
+                    if refused is not None:
+                        outbox.send(Outputs((refused,)))
+                case AbortRequest():
+                    engine.abort(msg.request_id)
+                case EngineCall():
+                    answer_call(engine, msg, outbox.send)
+                case Stop():
+                    engine.close()
+                    return
+                case _:
+                    assert_never(msg)
+        if engine.has_unfinished():
+            outputs = engine.step()
+            if outputs:
+                outbox.send(Outputs(tuple(outputs)))
