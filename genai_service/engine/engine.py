@@ -23,7 +23,7 @@ import structlog
 from genai_common.errors import GenAIError, Internal, InvalidArgument, ResourceExhausted
 
 from ..config import EngineConfig
-from .kv_connector import KvChunkStore
+from .kv_chunk_store import KvChunkStore
 from .kv_reuse import KvReuse
 from .model_dir import ModelSpec, load_model_spec
 from .model_runner import ModelRunner, StepItem

@@ -2,7 +2,7 @@
 
 Same contract as ``GrpcKvChunkStore`` (``kv_connector``), kept in a dict with
 no network; it shares the counters, warnings, sealing and chunk checks of
-``kv_connector._CountingStore``.
+``kv_chunk_store._CountingStore``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from .kv_chunk_store import _CountingStore, _resolve
 from .kv_codec import KvHeader
-from .kv_connector import _CountingStore, _resolve
 from .kv_integrity import IntegrityError, KvIntegrity
 from .prefix_cache import KvLayers
 

@@ -29,7 +29,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from .kv_connector import GrpcKvChunkStore, KvChunkStore
+from .kv_chunk_store import KvChunkStore
+from .kv_connector import GrpcKvChunkStore
 from .kv_integrity import KvIntegrity
 from .prefix_cache import PrefixIndex, chunk_keys, make_namespace, scoped_namespace
 

@@ -28,7 +28,7 @@ import structlog
 
 from genai_common.errors import GenAIError, Internal, PermissionDenied, ResourceExhausted
 
-from .kv_connector import KvChunkStore
+from .kv_chunk_store import KvChunkStore
 from .request import FinishReason, GenerationRequest, RequestOutput, Usage
 from .sessions import (
     Session,
