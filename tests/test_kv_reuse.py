@@ -12,7 +12,6 @@ import numpy as np
 from genai_service.engine.kv_connector_memory import MemoryKvChunkStore
 from genai_service.engine.kv_reuse import KvReuse
 from genai_service.engine.prefix_cache import KvLayers, chunk_keys, join_chunks, kv_nbytes
-from genai_service.engine.request import GenerationRequest
 from genai_service.engine.sequence import Sequence
 from genai_service.engine.sessions import (
     Session,
@@ -21,6 +20,7 @@ from genai_service.engine.sessions import (
     session_from_record,
     session_record,
 )
+from tests.factories import make_sequence
 
 CHUNK = 4
 NS = b"test-namespace"
@@ -55,20 +55,7 @@ class DictRunner:
 
 
 def make_seq(ids: list[int], session: Session | None = None) -> Sequence:
-    request = GenerationRequest("r", tuple(ids))
-    return Sequence(
-        request=request,
-        token_ids=list(ids),
-        prompt_len=len(ids),
-        max_new_tokens=4,
-        eos_token_ids=frozenset(),
-        stop_token_ids=frozenset(),
-        rng=np.random.default_rng(0),
-        seed=0,
-        text=None,  # type: ignore[arg-type]
-        deadline=None,
-        session=session,
-    )
+    return make_sequence(ids, session=session)
 
 
 def make_reuse(

@@ -1,29 +1,17 @@
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from genai_common.errors import ResourceExhausted
 from genai_service.config import SchedulerConfig
-from genai_service.engine.request import GenerationRequest, Priority
+from genai_service.engine.request import Priority
 from genai_service.engine.scheduler import Scheduler
 from genai_service.engine.sequence import SeqStatus, Sequence
+from tests.factories import make_sequence
 
 
 def make_seq(rid: str, n_prompt: int, priority: Priority = Priority.NORMAL) -> Sequence:
-    request = GenerationRequest(rid, tuple(range(n_prompt)), priority=priority)
-    return Sequence(
-        request=request,
-        token_ids=list(request.prompt_token_ids),
-        prompt_len=n_prompt,
-        max_new_tokens=4,
-        eos_token_ids=frozenset(),
-        stop_token_ids=frozenset(),
-        rng=np.random.default_rng(0),
-        seed=0,
-        text=None,  # type: ignore[arg-type]
-        deadline=None,
-    )
+    return make_sequence(range(n_prompt), request_id=rid, priority=priority)
 
 
 def advance(batch_items) -> None:

@@ -1,0 +1,69 @@
+"""Shared builders for the engine's request state, so tests stop hand-building
+``Sequence`` objects field by field: a sequence is made the way the engine
+makes one (``new_sequence``), with a tiny in-memory tokenizer and no model, so
+the unit layer (no ONNX Runtime) can use them."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import tokenizers
+from tokenizers.models import WordLevel
+
+from genai_service.engine.request import GenerationRequest, Priority
+from genai_service.engine.sequence import Sequence, new_sequence
+
+if TYPE_CHECKING:
+    from genai_service.engine.sessions import Session
+
+
+@functools.cache
+def tiny_tokenizer() -> tokenizers.Tokenizer:
+    """A word-level tokenizer that knows no words: every id decodes to nothing
+    it could mistake for a stop string, which is all the text stage needs here."""
+    return tokenizers.Tokenizer(WordLevel(vocab={"<unk>": 0}, unk_token="<unk>"))
+
+
+def make_request(
+    request_id: str = "r",
+    prompt: Iterable[int] = (),
+    *,
+    priority: Priority = Priority.NORMAL,
+    seed: int | None = 0,
+    **fields: Any,
+) -> GenerationRequest:
+    """A validated request: ``prompt`` token ids, a fixed ``seed`` by default
+    (reproducible tests), any other ``GenerationRequest`` field by name."""
+    request = GenerationRequest(request_id, tuple(prompt), priority=priority, **fields)
+    return replace(request, sampling=replace(request.sampling, seed=seed))
+
+
+def make_sequence(
+    prompt: Iterable[int] | GenerationRequest = (),
+    *,
+    request_id: str = "r",
+    priority: Priority = Priority.NORMAL,
+    history: Seq[int] = (),
+    session: Session | None = None,
+    max_new_tokens: int = 4,
+    eos_token_ids: Iterable[int] = (),
+) -> Sequence:
+    """A queued sequence as the engine builds it: ``history`` then ``prompt``
+    as its context, ``session`` attached (its history is not prepended unless
+    passed as ``history``)."""
+    if isinstance(prompt, GenerationRequest):
+        request = prompt
+    else:
+        request = make_request(request_id, prompt, priority=priority)
+    return new_sequence(
+        request,
+        list(history),
+        session,
+        tokenizer=tiny_tokenizer(),
+        eos_token_ids=eos_token_ids,
+        max_new_tokens=max_new_tokens,
+    )
