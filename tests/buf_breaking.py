@@ -1,4 +1,4 @@
-"""``buf breaking`` of protos/ against a git commit (``make lint``, tests/test_protos.py).
+"""``buf breaking`` of protos/ against a git commit (``make lint``, tests/unit/test_protos.py).
 
 One kind of change is allowed: setting ``go_package`` on a file that had none.
 protoc-gen-go refuses a file without it, so no Go code can depend on the

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("genai_common", "genai_service", "kvstore", "genai_client")
 GENERATED = "genai_proto"  # make stubs; imports only itself and protobuf/grpc
 

@@ -13,7 +13,7 @@ from tokenizers import models, pre_tokenizers, processors
 from genai_common.errors import InvalidArgument, ModelLoadError
 from genai_service.engine.model_dir import load_model_spec
 from genai_service.engine.tokenizer import Tokenizer
-from tests.test_model_dir import VOCAB, VOCAB_SIZE, write_model_dir, write_word_tokenizer
+from tests.unit.test_model_dir import VOCAB, VOCAB_SIZE, write_model_dir, write_word_tokenizer
 
 # ChatML with block tags on their own (indented) lines: it renders right only with
 # trim_blocks and lstrip_blocks, as transformers renders it.

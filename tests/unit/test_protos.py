@@ -13,7 +13,7 @@ from genai_proto.genai.v1 import generate_pb2, model_pb2, session_pb2
 from genai_proto.kvstore.v1 import kvstore_pb2
 from tests.buf_breaking import breaking_changes, git_ref
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_buf_lint_is_clean() -> None:

@@ -6,7 +6,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DESIGN = ROOT / "docs" / "design.md"
 SOURCES = ("genai_service", "genai_client", "kvstore", "protos", "tests", "bench", "docs", "k8s")
 SUFFIXES = {".py", ".pyi", ".proto", ".md", ".yaml", ".yml"}

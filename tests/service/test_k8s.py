@@ -34,7 +34,7 @@ import kubernetes_validate  # the `dev` extra; `make setup` installs it
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 BASE = K8S / "base"
 SHARED = K8S / "overlays" / "shared-kvstore"

@@ -23,7 +23,7 @@ from tests.server_harness import ServerThread, free_port
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # Left out of the copy: build output and caches, not sources (genai_proto stays).
 IGNORED = shutil.ignore_patterns(
     ".git",
