@@ -164,6 +164,14 @@ def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
         structlog.contextvars.clear_contextvars()
         structlog.contextvars.bind_contextvars(request_id=rid, rpc=name)
 
+    def admit(fe: Frontend, request: Any, context: Any) -> None:
+        # Credentials first (an anonymous caller learns nothing else), then
+        # whether the server takes new calls, then whether the request decoded.
+        _principal.set(fe.authenticate(context))
+        fe.check_serving()
+        if isinstance(request, Undecodable):
+            raise request.error()
+
     if inspect.isasyncgenfunction(fn):
 
         @functools.wraps(fn)
@@ -171,10 +179,7 @@ def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
             bind(request)
             started, code = time.monotonic(), "CANCELLED"
             try:
-                _principal.set(self.fe.authenticate(context))
-                self.fe.check_serving()
-                if isinstance(request, Undecodable):
-                    raise request.error()
+                admit(self.fe, request, context)
                 async for item in fn(self, request, context):
                     yield item
                 code = "OK"
@@ -198,10 +203,7 @@ def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
         bind(request)
         started, code = time.monotonic(), "CANCELLED"
         try:
-            _principal.set(self.fe.authenticate(context))
-            self.fe.check_serving()
-            if isinstance(request, Undecodable):
-                raise request.error()
+            admit(self.fe, request, context)
             result = await fn(self, request, context)
             code = "OK"
             return result
