@@ -52,7 +52,7 @@ from genai_proto.genai.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from kvstore.protocol import AUTH_TOKEN_ENV
 
 from .ours import ServerProcess
-from .procs import MB, REPO, free_port, machine_info, versions
+from .procs import MB, REPO, free_port, machine_info, proc_status_bytes, versions
 
 RESULTS = REPO / "bench" / "results"
 KINDS = ("unary", "stream", "bidi", "session", "cancel", "deadline", "invalid", "random")
@@ -526,13 +526,7 @@ def worker_loop(
 
 def vm_rss(pid: int | None) -> int:
     """Resident set of one process (``VmRSS``) in bytes; 0 if it is gone."""
-    if pid is None:
-        return 0
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return 0 if pid is None else proc_status_bytes(pid, "VmRSS")
 
 
 def engine_pid(server_pid: int) -> int | None:

@@ -74,13 +74,18 @@ def versions() -> dict:
     }
 
 
-def _vm_hwm(pid: int) -> int:
-    """Peak resident set of one process (``VmHWM``), in bytes; 0 if unreadable."""
+def proc_status_bytes(pid: int, field: str) -> int:
+    """A kB field of ``/proc/PID/status`` (``VmHWM``, ``VmRSS``) in bytes; 0 if unreadable."""
     with contextlib.suppress(OSError, ValueError):
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def _vm_hwm(pid: int) -> int:
+    """Peak resident set of one process, in bytes; 0 if unreadable."""
+    return proc_status_bytes(pid, "VmHWM")
 
 
 class RssMonitor:
