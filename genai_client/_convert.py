@@ -9,7 +9,7 @@ from typing import Any, TypedDict
 
 from google.protobuf import json_format
 
-from genai_client.errors import InternalError, error_for_number
+from genai_client.errors import InternalError, error_from_status
 from genai_client.types import (
     BidiEvent,
     ChatMessage,
@@ -352,8 +352,7 @@ def bidi_event(
     if kind == "final":
         return BidiEvent(request_id, result=result_from_final(response.final, "".join(parts)))
     if kind == "error":
-        error = error_for_number(response.error.code, response.error.message)
-        return BidiEvent(request_id, error=error)
+        return BidiEvent(request_id, error=error_from_status(response.error))
     return BidiEvent(request_id, error=InternalError(f"request {request_id}: empty event"))
 
 

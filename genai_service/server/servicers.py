@@ -22,8 +22,8 @@ import grpc
 import structlog
 
 from genai_common.decoding import Undecodable
-from genai_common.errors import GenAIError, InvalidArgument, Unauthenticated, Unavailable
-from genai_common.status import status_code
+from genai_common.errors import GenAIError, Internal, InvalidArgument, Unauthenticated, Unavailable
+from genai_common.status import abort, rpc_status_of
 from genai_proto.genai.v1 import (
     generate_pb2,
     generate_pb2_grpc,
@@ -151,9 +151,9 @@ def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
     async def fail(exc: BaseException, context: grpc.aio.ServicerContext) -> None:
         if isinstance(exc, GenAIError):
             log.info("rpc_error", rpc=name, code=exc.code, message=exc.message)
-            await context.abort(status_code(exc), exc.message)
+            await abort(context, exc)
         log.error("rpc_internal_error", rpc=name, exc_info=exc)
-        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
+        await abort(context, Internal(f"internal error: {exc}"))
 
     def bind(request: Any) -> None:
         # The one place a request id is made: for a request that has none, and
@@ -251,20 +251,17 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         try:
             _principal.set(self.fe.authenticate(context))
         except GenAIError as exc:
-            await context.abort(status_code(exc), exc.message)
+            await abort(context, exc)
         if self.fe.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+            await abort(context, Unavailable("the server is shutting down"))
         events: asyncio.Queue[generate_pb2.BidiResponse | None] = asyncio.Queue()
         tasks: dict[str, asyncio.Task[None]] = {}
 
         def error_event(rid: str, exc: BaseException) -> generate_pb2.BidiResponse:
             if not isinstance(exc, GenAIError):
                 log.error("bidi_request_failed", request_id=rid, exc_info=exc)
-                exc = GenAIError(f"internal error: {exc}")
-            return generate_pb2.BidiResponse(
-                request_id=rid,
-                error=generate_pb2.ErrorStatus(code=status_code(exc).value[0], message=exc.message),
-            )
+                exc = Internal(f"internal error: {exc}")
+            return generate_pb2.BidiResponse(request_id=rid, error=rpc_status_of(exc))
 
         async def run_one(rid: str, start: generate_pb2.GenerateRequest) -> None:
             try:
@@ -318,7 +315,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     break
             failed = failure()
             if isinstance(failed, GenAIError):
-                await context.abort(status_code(failed), failed.message)
+                await abort(context, failed)
             if failed is not None:
                 raise failed
         finally:

@@ -10,9 +10,12 @@ from pathlib import Path
 import grpc
 import pytest
 from google.protobuf import descriptor_pb2, json_format
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_status import rpc_status
 
+from genai_client.errors import FieldViolation, from_rpc_error
 from genai_proto.genai.v1 import (
     common_pb2,
     generate_pb2,
@@ -197,7 +200,30 @@ def test_bidi_errors_are_per_request(channel: grpc.Channel) -> None:
         ("bad", grpc.StatusCode.INVALID_ARGUMENT.value[0])
     ]
     assert "sampling.top_p: 2.0 is out of range" in errors[0].error.message
+    # A google.rpc.Status: the BadRequest names the field as data.
+    (detail,) = errors[0].error.details
+    bad_request = error_details_pb2.BadRequest()
+    assert detail.Unpack(bad_request)
+    (violation,) = bad_request.field_violations
+    assert violation.field == "sampling.top_p"
+    assert violation.description.startswith("2.0 is out of range")
     assert any(e.request_id == "good" and e.WhichOneof("event") == "final" for e in events)
+
+
+def test_a_failed_call_carries_its_google_rpc_status(channel: grpc.Channel) -> None:
+    stub = generate_pb2_grpc.GenerateServiceStub(channel)
+    bad = gen_request("hello", 4, sampling=generate_pb2.SamplingParams(temperature=-1.0))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Generate(bad, timeout=30)
+    status = rpc_status.from_call(err.value)  # also checks code and message agree
+    assert status is not None and status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    bad_request = error_details_pb2.BadRequest()
+    assert status.details[0].Unpack(bad_request)
+    assert [v.field for v in bad_request.field_violations] == ["sampling.temperature"]
+    # The typed client error reads it.
+    assert from_rpc_error(err.value).field_violations == (
+        FieldViolation("sampling.temperature", bad_request.field_violations[0].description),
+    )
 
 
 def test_sessions_over_rpc(channel: grpc.Channel) -> None:
