@@ -157,6 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest max_new_tokens a request may ask for",
     )
     g.add_argument(
+        "--max-constraint-bytes",
+        type=int,
+        metavar="N",
+        default=LimitsConfig.max_constraint_bytes,
+        help="largest structured-output constraint (schema, regex, grammar or choices), "
+        "in UTF-8 bytes",
+    )
+    g.add_argument(
         "--speculate",
         type=int,
         default=SpeculationConfig.num_tokens,
@@ -411,6 +419,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         limits=LimitsConfig(
             default_max_new_tokens=args.default_max_new_tokens,
             max_new_tokens_limit=args.max_new_tokens_limit,
+            max_constraint_bytes=args.max_constraint_bytes,
         ),
         speculation=SpeculationConfig(
             num_tokens=args.speculate, max_batch=args.speculate_max_batch

@@ -175,6 +175,8 @@ class LimitsConfig:
     max_top_logprobs: int = 20
     max_time_limit_ms: int = 3_600_000
     max_cache_salt_chars: int = 256
+    # A Constraint's schema, pattern, grammar or choices, in UTF-8 bytes.
+    max_constraint_bytes: int = 65_536
 
     def __post_init__(self) -> None:
         for name in (
@@ -185,6 +187,7 @@ class LimitsConfig:
             "max_stop_token_ids",
             "max_time_limit_ms",
             "max_cache_salt_chars",
+            "max_constraint_bytes",
         ):
             _positive(name, getattr(self, name))
         if self.max_top_logprobs < 0:

@@ -3,7 +3,10 @@
 ``prepare(rows)`` turns each running sequence's parameters and history into
 batched arrays; ``sample(logits, args)`` then applies, in order:
 
-1. banned ids (logit -> -inf),
+0. a structured-output mask (``SamplingRow.allowed``; every token it does
+   not allow -> -inf),
+1. banned ids (logit -> -inf; dropped for a masked row whose mask allows
+   only banned tokens: the constraint wins, e.g. EOS before min_new_tokens),
 2. repetition penalty over prompt + output tokens (HF/CTRL rule: a positive
    logit is divided by the penalty, a non-positive one multiplied),
 3. frequency penalty (``f * count`` in the output) and presence penalty
@@ -49,6 +52,7 @@ class SamplingRow:
     top_logprobs: int = 0  # how many raw-distribution alternatives to return
     banned_token_ids: Sequence[int] = ()  # forced to -inf (e.g. EOS before min_new_tokens)
     want_logprobs: bool = False  # return the chosen token's raw logprob
+    allowed: np.ndarray | None = None  # [V] bool: the only tokens a constraint allows
 
 
 @dataclass
@@ -101,6 +105,8 @@ class SamplingArgs:
     banned: SparseEdit = field(default_factory=SparseEdit)  # values unused
     repetition: SparseEdit = field(default_factory=SparseEdit)  # values: the penalty
     additive: SparseEdit = field(default_factory=SparseEdit)  # values: f * count + p
+    allowed_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [A]
+    allowed: np.ndarray | None = None  # [A, V] bool, the masks of allowed_rows
 
     @property
     def batch_size(self) -> int:
@@ -140,6 +146,7 @@ def prepare(rows: Sequence[SamplingRow]) -> SamplingArgs:
     banned: list[tuple[int, np.ndarray, np.ndarray]] = []
     repetition: list[tuple[int, np.ndarray, np.ndarray]] = []
     additive: list[tuple[int, np.ndarray, np.ndarray]] = []
+    masked: list[int] = []
     for i, row in enumerate(rows):
         p = row.params
         if not p.greedy:
@@ -160,6 +167,8 @@ def prepare(rows: Sequence[SamplingRow]) -> SamplingArgs:
             # Duplicates are harmless here: every copy writes the same value.
             seen = np.concatenate([_ids(row.prompt_token_ids), _ids(row.output_token_ids)])
             repetition.append((i, seen, np.full(seen.size, rep, dtype=np.float32)))
+        if row.allowed is not None:
+            masked.append(i)
         freq = p.frequency_penalty or 0.0
         pres = p.presence_penalty or 0.0
         if (freq or pres) and len(row.output_token_ids):
@@ -176,6 +185,8 @@ def prepare(rows: Sequence[SamplingRow]) -> SamplingArgs:
         banned=SparseEdit.build(banned),
         repetition=SparseEdit.build(repetition),
         additive=SparseEdit.build(additive),
+        allowed_rows=np.asarray(masked, dtype=np.int64),
+        allowed=np.stack([rows[i].allowed for i in masked]) if masked else None,  # type: ignore[misc]
     )
 
 
@@ -185,13 +196,24 @@ def penalize(logits: np.ndarray, args: SamplingArgs) -> np.ndarray:
     Returns ``logits`` itself (unchanged) when no row needs any of them,
     otherwise a new [B, V] float32 array.
     """
-    if not (len(args.banned) or len(args.repetition) or len(args.additive)):
+    if not (len(args.banned) or len(args.repetition) or len(args.additive)) and (
+        args.allowed is None
+    ):
         return logits
     x = np.array(logits, dtype=np.float32)  # [B, V] copy: the caller's array stays intact
     v = x.shape[1]
+    masked = args.allowed_rows
+    if args.allowed is not None:
+        allowed = args.allowed[:, :v]
+        x[masked] = np.where(allowed, x[masked], -np.inf)
     if len(args.banned):
         r, c, _ = args.banned.within(v)
         x[r, c] = -np.inf
+        if args.allowed is not None:
+            # A mask that allows only banned tokens wins over the ban.
+            dead = ~np.isfinite(x[masked]).any(axis=1)
+            for j in np.flatnonzero(dead):
+                x[masked[j]] = np.where(allowed[j], logits[masked[j]], -np.inf)
     if len(args.repetition):
         r, c, pen = args.repetition.within(v)
         cur = x[r, c]

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tokenizers
@@ -66,6 +66,9 @@ class Sequence:
     prefix_keys: list[bytes] = field(default_factory=list)
     prefetch: Future[list[KvLayers]] | None = None
     prefetch_from: int = 0  # index in prefix_keys of the first prefetched key
+    # llguidance.LLMatcher of the request's constraint (engine/constraints.py): it
+    # has consumed exactly the generated tokens; None without a constraint.
+    matcher: Any = None
 
     @property
     def request_id(self) -> str:
