@@ -90,6 +90,9 @@ def grammar_text(constraint: Constraint) -> str:
             raise InvalidArgument(f"{field}: not valid JSON: {e}") from e
         if not isinstance(schema, dict | bool):
             raise InvalidArgument(f"{field}: a JSON Schema is an object or a boolean")
+        options = schema.get("x-guidance") if isinstance(schema, dict) else None
+        if isinstance(options, dict) and any(k.startswith("whitespace") for k in options):
+            return matcher.grammar_from_json_schema(value)  # the schema says how
         return matcher.grammar_from_json_schema(value, defaults=JSON_DEFAULTS)  # type: ignore[arg-type]
     if kind == "json_object":
         return matcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_DEFAULTS)  # type: ignore[arg-type]

@@ -176,3 +176,25 @@ def test_invalid_constraints(guidance: Guidance, constraint: Constraint, message
         guidance.matcher(constraint)
     assert err.value.message.startswith(message), err.value.message
     assert err.value.field_violation()[0].startswith("constraint")
+
+
+def test_json_whitespace_runs_are_bounded_unless_the_schema_says_otherwise(
+    guidance: Guidance,
+) -> None:
+    bounded = guidance.matcher(Constraint("json_object"))
+    assert bounded.consume_tokens(encode_bytes("{" + " " * 12))
+    assert bounded.validate_tokens(encode_bytes(" ")) == 0  # a 13th is not allowed
+    assert bounded.validate_tokens(encode_bytes('"')) == 1
+    compact = guidance.matcher(
+        Constraint(
+            "json_schema", '{"type": "object", "x-guidance": {"whitespace_flexible": false}}'
+        )
+    )
+    assert compact.consume_tokens(encode_bytes("{"))
+    assert compact.validate_tokens(encode_bytes(" ")) == 0
+    free = guidance.matcher(
+        Constraint(
+            "json_schema", '{"type": "object", "x-guidance": {"whitespace_pattern": "[ ]{0,40}"}}'
+        )
+    )
+    assert free.consume_tokens(encode_bytes("{" + " " * 40))
