@@ -163,8 +163,15 @@ async def serve_bare(port: int, interval_s: float) -> None:
 def start_bare(interval_ms: float) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.frontend_profile", "--serve-bare", str(port),
-         "--bare-interval-ms", str(interval_ms)],
+        [
+            sys.executable,
+            "-m",
+            "bench.frontend_profile",
+            "--serve-bare",
+            str(port),
+            "--bare-interval-ms",
+            str(interval_ms),
+        ],
         cwd=REPO,
         stdout=subprocess.PIPE,
     )
@@ -201,7 +208,8 @@ CATEGORIES = (
     ("queue hand-off + request stream", ("EngineProcess.generate", "queues.py", "merge_outputs",
                                          "dataclasses.py", "coalesce")),
     ("metrics", ("prometheus_client", "Frontend.outputs", "metrics.py")),
-    ("protobuf construction", ("convert.py", "Frontend.events", "GenerateStream ", "_event_fields")),
+    ("protobuf construction", ("convert.py", "Frontend.events", "GenerateStream ",
+                               "_event_fields")),
     ("rpc wrapper (auth, logging, error mapping)", ("stream_wrapper", "structlog", "servicers.py")),
     ("gRPC (cygrpc: write, completion queue)", ("cygrpc", "grpc/")),
     ("asyncio loop", ("asyncio/",)),
