@@ -283,10 +283,18 @@ class EngineProcess:
         except (BrokenPipeError, OSError) as exc:
             raise Unavailable(f"the engine process is gone: {exc}") from exc
 
-    async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(
+        self, request: GenerationRequest, stream_interval: int = 1
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Submit a request and yield its outputs; aborts it in the engine if the
         consumer stops early (client cancel, deadline). ``request.request_id``
-        need only be unique among ``request.principal``'s requests in flight."""
+        need only be unique among ``request.principal``'s requests in flight.
+
+        Steps the consumer has not taken yet go out as one output, so a consumer
+        that falls behind catches up at once. With ``stream_interval`` N > 1 the
+        outputs after the first one with tokens wait until N tokens are pending
+        (or the request ends) and carry at most N, unless one engine step alone
+        produced more (speculative decoding): ServerConfig.stream_interval."""
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         rid, key = request.request_id, (request.principal, request.request_id)
         if key in self._engine_ids:
@@ -294,26 +302,46 @@ class EngineProcess:
         engine_id = f"{rid}#{secrets.token_hex(8)}"
         self._engine_ids[key] = engine_id
         self._queues[engine_id] = queue
+        cap = stream_interval if stream_interval > 1 else None  # None: catch up unbounded
         finished = False
+        sent_tokens = False  # an output with tokens has gone out: the rest may wait
         held: RequestOutput | None = None  # taken from the queue, not yet used
+        pending: RequestOutput | None = None  # coalesced, waiting for stream_interval tokens
         try:
             self._send(AddRequest(dataclasses.replace(request, request_id=engine_id)))
             while True:
                 item = held if held is not None else await queue.get()
                 held = None
                 if item.error is not None:
-                    finished = True
-                    raise item.error
-                # Steps the consumer has not taken yet go out as one delta, so a
-                # consumer that falls behind catches up in one message.
-                while not item.finished and not queue.empty():
-                    following = queue.get_nowait()
-                    if following.error is not None:
-                        held = following
-                        break
-                    item = merge_outputs(item, following)
+                    if pending is None:
+                        finished = True
+                        raise item.error
+                    item, held, pending = pending, item, None  # what came before, then it
+                else:
+                    if pending is not None:
+                        item, pending = merge_outputs(pending, item), None
+                    # (With a stream_interval, a request's first tokens go out alone.)
+                    first = cap is not None and not sent_tokens and bool(item.token_ids)
+                    while not item.finished and not first and not queue.empty():
+                        following = queue.get_nowait()
+                        if following.error is not None or (
+                            cap is not None and len(item.token_ids) + len(following.token_ids) > cap
+                        ):
+                            held = following
+                            break
+                        item = merge_outputs(item, following)
+                    if (
+                        cap is not None
+                        and sent_tokens
+                        and held is None
+                        and not item.finished
+                        and len(item.token_ids) < cap
+                    ):
+                        pending = item
+                        continue
                 if item.finished:
                     finished = True
+                sent_tokens = sent_tokens or bool(item.token_ids)
                 yield dataclasses.replace(item, request_id=rid)
                 if finished:
                     return
