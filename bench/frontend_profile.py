@@ -1,23 +1,30 @@
 """The frontend's CPU per streamed token, next to a bare grpc.aio streaming servicer's.
 
-    python -m bench.frontend_profile [--model tiny|default|DIR] [--tokens N] [--reps R]
+    python -m bench.frontend_profile [--model default|tiny|DIR] [--tokens N] [--reps R]
                                      [--streams 1,8] [--stream-interval N] [--py-spy OUT.txt]
+                                     [--baseline DIR] [--bare-interval-ms MS] [--no-bare]
 
-Starts a real ``genai-server`` (on the tiny test model by default: its engine
-steps take well under a millisecond, so the frontend's cost dominates the
-machine), streams ``--tokens`` new tokens on each of 1 and 8 concurrent
-``GenerateStream`` calls, and reads the frontend process's CPU time
-(``/proc/PID/stat`` utime + stime, every thread) before and after: CPU per
-streamed token is the difference over the tokens the client received. The
+Starts a real ``genai-server`` on the default model (one token per message at
+its real step rate; the tiny test model steps so fast that the frontend falls
+behind and merges steps, which measures something else), streams ``--tokens``
+new tokens on each of 1 and 8 concurrent ``GenerateStream`` calls, and reads
+the frontend process's CPU time (``/proc/PID/stat`` utime + stime, every
+thread) before and after: CPU per streamed token is the difference over the
+tokens the client received. The
 engine process's CPU per token is reported alongside. Then the same client
 against a bare grpc.aio servicer of ``GenerateService.GenerateStream`` (in
 its own process) that yields one ``Delta`` per token and a ``Final``: gRPC's
-own per-message cost, the floor the frontend is measured against.
+own per-message cost, the floor the frontend is measured against, paced at
+``--bare-interval-ms`` per token like an engine step (unpaced, gRPC coalesces
+writes and costs several times less per message). ``--baseline DIR`` also
+runs the server from another checkout (a worktree of main, its stubs built),
+the two taking turns rep by rep: an A/B on a shared machine.
 
 Medians over ``--reps``; the machine may be shared, so read the numbers as
 that (``load`` in the output is the load average when each row started).
-``--py-spy FILE`` records the frontend under py-spy for one 8-stream run
-(py-spy installed into the venv) and writes its top functions to FILE.
+``--py-spy FILE`` records the frontend under py-spy (installed into the venv)
+for one run on the fewest streams and writes its busy samples to FILE, by
+category (pipe read + unpickle, demux, queue hand-off, protobuf, gRPC, ...).
 """
 
 from __future__ import annotations

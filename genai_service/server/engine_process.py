@@ -76,8 +76,8 @@ class PipeReader:
     the pickle. Reading the socket once per readable event and splitting the
     frames here costs one ``read`` per engine step, where ``poll()`` and
     ``recv()`` cost a ``poll``, two ``read``s and a new selector per message
-    and one more ``poll`` to find the pipe empty (measured: about half of the
-    frontend's busy time at one stream; docs/benchmarks.md).
+    and one more ``poll`` to find the pipe empty (py-spy of the frontend at one
+    stream: about half of its busy samples; ``python -m bench.frontend_profile``).
     """
 
     def __init__(self) -> None:
