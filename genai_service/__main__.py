@@ -75,6 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="seconds in-flight streams may run after SIGTERM",
     )
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        metavar="N",
+        default=ServerConfig.stream_interval,
+        help="coalesce up to N tokens per streamed message (a request's first token goes "
+        "out at once); fewer messages, less CPU per token, coarser streaming",
+    )
     g = p.add_argument_group("engine")
     g.add_argument(
         "--intra-op-threads",
@@ -438,6 +446,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         port=args.port,
         grace_period_s=args.grace_period_s,
         log_format=args.log_format,
+        stream_interval=args.stream_interval,
     )
 
 

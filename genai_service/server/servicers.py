@@ -56,8 +56,10 @@ class Frontend:
         max_input_chars: int,
         auth_tokens: tuple[tuple[str, str], ...] = (),
         metrics: Metrics | None = None,
+        stream_interval: int = 1,
     ) -> None:
         self.engine = engine
+        self.stream_interval = stream_interval  # ServerConfig.stream_interval
         self.metrics = metrics or Metrics()
         self.auth_tokens = auth_tokens
         self.tokenizer = tokenizer
@@ -110,12 +112,13 @@ class Frontend:
             convert.generation_request(request, ids), principal=_principal.get()
         )
 
-    async def outputs(self, request: Any) -> AsyncIterator[RequestOutput]:
+    async def outputs(self, request: Any, stream_interval: int = 1) -> AsyncIterator[RequestOutput]:
         m = self.metrics
         started = time.monotonic()
         first = True
         with self.tracking(), m.inflight.track_inprogress():
-            async with contextlib.aclosing(self.engine.generate(request)) as stream:
+            stream = self.engine.generate(request, stream_interval)
+            async with contextlib.aclosing(stream):
                 async for out in stream:
                     if first and out.token_ids:
                         m.ttft.observe(time.monotonic() - started)
@@ -132,7 +135,8 @@ class Frontend:
         """A request's stream events: a Delta per output with tokens or
         text, then one Final (shared by GenerateStream and GenerateBidi)."""
         outputs: list[RequestOutput] = []
-        async for out in self.outputs(await self.build_request(request)):
+        built = await self.build_request(request)
+        async for out in self.outputs(built, self.stream_interval):
             outputs.append(out)
             if out.token_ids or out.text:
                 yield convert.delta(out)

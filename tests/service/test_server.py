@@ -789,3 +789,56 @@ def test_steps_a_stalled_frontend_missed_arrive_as_one_delta(
     assert len(deltas) < n  # without merging: one delta per step, n of them
     assert max(len(d.token_ids) for d in deltas) > 1
     assert rest[-1].final.usage.completion_tokens == n
+
+
+def test_stream_interval_coalesces_up_to_n_tokens_per_delta(
+    server: ServerThread, channel: grpc.Channel, long_context_model_dir: Path
+) -> None:
+    """``--stream-interval 4``: the same tokens, text and logprobs as one step per
+    delta, the first token at once, no delta over 4 tokens (a stalled consumer
+    catching up included), stop-sequence hold-back as before."""
+    prompt, n = "the cat sat on the mat", 40
+    ref_stub = generate_pb2_grpc.GenerateServiceStub(channel)
+    plain = ref_stub.Generate(gen_request(prompt, n))
+    stop = plain.text.split()[len(plain.text.split()) // 2]  # a word from the middle
+    requests = [
+        gen_request(prompt, n, top_logprobs=2),
+        gen_request(prompt, n, stopping={"stop_sequences": [stop]}),
+    ]
+    coalescing = ServerThread(
+        ServerConfig(
+            engine=engine_config(long_context_model_dir), port=free_port(), stream_interval=4
+        )
+    ).start()
+    try:
+        with coalescing.channel() as ch:
+            stub = generate_pb2_grpc.GenerateServiceStub(ch)
+            for i, request in enumerate(requests):
+                want = list(ref_stub.GenerateStream(request))
+                events = stub.GenerateStream(request)
+                got = [next(events)]
+                if i == 0:  # the engine runs ahead while the frontend stalls
+                    coalescing.loop.call_soon_threadsafe(time.sleep, 0.3)
+                got += list(events)
+                deltas = [e.delta for e in got if e.WhichOneof("event") == "delta"]
+                ref = [e.delta for e in want if e.WhichOneof("event") == "delta"]
+                assert len(deltas[0].token_ids) == 1
+                assert max(len(d.token_ids) for d in deltas) <= 4
+                for field in ("token_ids", "logprobs"):
+                    assert [x for d in deltas for x in getattr(d, field)] == [
+                        x for d in ref for x in getattr(d, field)
+                    ]
+                assert "".join(d.text for d in deltas) == "".join(d.text for d in ref)
+                for field in ("token_ids", "logprobs", "finish_reason", "stop_sequence"):
+                    assert getattr(got[-1].final, field) == getattr(want[-1].final, field)
+            assert requests[1].stopping.stop_sequences[0] not in "".join(d.text for d in deltas)
+            bidi = list(
+                stub.GenerateBidi(
+                    iter([generate_pb2.BidiRequest(start=gen_request(prompt, n, request_id="b"))])
+                )
+            )
+            tokens = [list(e.delta.token_ids) for e in bidi if e.WhichOneof("event") == "delta"]
+            assert [t for ts in tokens for t in ts] == list(plain.token_ids)
+            assert len(tokens[0]) == 1 and max(map(len, tokens)) <= 4
+    finally:
+        coalescing.stop()
