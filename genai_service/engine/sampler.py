@@ -34,9 +34,9 @@ import numpy as np
 
 from genai_service.engine.request import SamplingParams
 
-# Top-p first looks for the nucleus among this many most likely tokens (an
-# O(V) partition); only rows whose nucleus is larger pay for a full sort.
-NUCLEUS_CANDIDATES = 1024
+# A top-k row's k-th largest logit is bounded from below by the maxima of this
+# many strided groups of its tokens (at least 4 k groups).
+_KTH_GROUPS = 1024
 # Tokens per block of the two-level inverse-CDF draw (about sqrt(vocab)).
 _DRAW_BLOCK = 256
 
@@ -250,16 +250,27 @@ def sample(logits: np.ndarray, args: SamplingArgs) -> SampleOutput:
 
 
 def _sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingArgs) -> np.ndarray:
-    """Temperature, min-p, top-k, top-p and one draw for the non-greedy rows ``s``."""
-    n, v = s.size, x.shape[1]
-    xs = x[s]  # [S, V] copy
-    xs /= args.temperature[s, None]
-    m = xs.max(axis=1)  # [S]
-    dead = ~np.isfinite(m)  # everything masked: fall back to the raw argmax
-    m[dead] = 0.0
+    """Temperature, min-p, top-k, top-p and one draw for the non-greedy rows ``s``.
 
-    # Lowest logit each row keeps. Min-p and top-k both keep "the highest
-    # values", so they commute and combine into one floor.
+    A row with a cut-off (top-k or min-p) is reduced to its kept tokens with a
+    couple of O(V) passes (a max, a compare); everything after that works on
+    that short candidate list. Only rows that nothing truncates before top-p
+    exponentiate the whole vocabulary (top-p needs their total mass). The
+    arithmetic is per token exactly that of a dense [S, V] pass: the same
+    float32 operations on each kept token and the per-block masses summed over
+    the same 256-token blocks, with zeros for the dropped tokens, so the draws
+    are the same bit for bit whichever form a row takes.
+    """
+    n, v = s.size, x.shape[1]
+    xs = _rows(x, s)  # [S, V]; a view when every row samples, so read only
+    t = args.temperature[s]  # [S] float32, > 0
+    m = xs.max(axis=1) / t  # == max(xs / t): dividing by t > 0 keeps the order
+    dead = ~np.isfinite(m)  # everything masked (or NaN/inf): raw argmax
+    m[dead] = 0.0
+    live = ~dead
+
+    # Lowest (temperature-scaled) logit each row keeps. Min-p and top-k both
+    # keep "the highest values", so they commute and combine into one floor.
     floor = np.full(n, -np.inf, dtype=np.float32)
     min_p = args.min_p[s]
     mp = min_p > 0
@@ -267,89 +278,259 @@ def _sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingAr
         # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p)
         floor[mp] = m[mp] + np.log(min_p[mp])
     k = args.top_k[s]
-    kr = np.flatnonzero((k > 0) & (k < v))
+    kr = np.flatnonzero((k > 0) & (k < v) & live)
+    survivors = None
     if kr.size:
-        kmax = int(k[kr].max())
-        top = np.partition(xs[kr], v - kmax, axis=1)[:, v - kmax :]  # [K, kmax] largest, unsorted
-        top.sort(axis=1)
-        kth = top[np.arange(kr.size), kmax - k[kr]]  # k-th largest value per row
-        floor[kr] = np.maximum(floor[kr], kth)
-    # (Masks are applied by multiplying: boolean assignment is several times
-    # slower on a vocabulary-sized row.)
-    keep = xs >= floor[:, None] if np.isfinite(floor).any() else None  # [S, V]
+        kth, rr, cc, vals = _kth_largest(_rows(xs, kr), k[kr])
+        floor[kr] = np.maximum(floor[kr], kth / t[kr])  # the k-th largest of xs / t
+        survivors = (kr[rr], cc, vals)
 
-    e = xs  # reuse the buffer: unnormalised probabilities exp(x - max), [S, V]
-    e -= m[:, None]
-    np.exp(e, out=e)
-    if keep is not None:
-        e *= keep
+    # Candidate lists (row, token, x) in row-then-token order for the rows
+    # with a finite floor; top-k rows take them from the survivors of their
+    # k-th-largest search, min-p-only rows from one compare.
+    cut = np.isfinite(floor) & live
+    has_k = np.zeros(n, dtype=bool)
+    has_k[kr] = True
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    if survivors is not None:
+        on = cut[survivors[0]]
+        parts.append((survivors[0][on], survivors[1][on], survivors[2][on]))
+    mo = np.flatnonzero(cut & ~has_k)
+    if mo.size:
+        xm = _rows(xs, mo)
+        rr, cc = _where(xm >= _below(floor[mo].astype(np.float64) * t[mo])[:, None])
+        parts.append((mo[rr], cc, xm[rr, cc]))
+    rows_c, cols_c, x_c = _concat_rows(parts)
+    xc = x_c / t[rows_c]
+    on = xc >= floor[rows_c]
+    rows_c, cols_c, xc = rows_c[on], cols_c[on], xc[on]
+    e_c = np.exp(xc - m[rows_c])  # [N] unnormalised probabilities exp(x - max)
+    on = e_c > 0  # (an underflow adds nothing anywhere)
+    rows_c, cols_c, e_c = rows_c[on], cols_c[on], e_c[on]
 
     # Mass per block of _DRAW_BLOCK tokens and its running total, [S, nb]:
     # the top-p target and the first level of the draw. (Every reduction here
     # is confined to one row, so a row's result never depends on the batch.)
-    starts = np.arange(0, v, _DRAW_BLOCK)
-    blocks = np.add.reduceat(e, starts, axis=1)  # float32
+    nb = -(-v // _DRAW_BLOCK)
+    blocks = np.zeros((n, nb), dtype=np.float32)
+    dn = np.flatnonzero(live & ~cut)  # rows with nothing cut: the whole vocabulary
+    dense_of = np.full(n, -1, dtype=np.int64)  # row -> its row of ``ed``
+    dense_of[dn] = np.arange(dn.size)
+    ed = np.zeros((0, v), dtype=np.float32)
+    if dn.size:
+        ed = np.divide(_rows(xs, dn), t[dn, None])  # [D, V] new array
+        ed -= m[dn, None]
+        np.exp(ed, out=ed)
+        blocks[dn] = np.add.reduceat(ed, np.arange(0, v, _DRAW_BLOCK), axis=1)
+    _set_block_sums(blocks, rows_c, cols_c, e_c, v)
     cum = np.cumsum(blocks, axis=1, dtype=np.float64)
 
     # Top-p on the distribution renormalised after min-p and top-k.
-    pr = np.flatnonzero((args.top_p[s] < 1.0) & ~dead)
-    if pr.size:
-        ep = e if pr.size == n else e[pr]  # [P, V]
-        ep *= ep >= _nucleus_floor(ep, args.top_p[s[pr]] * cum[pr, -1])[:, None]
-        if pr.size < n:
-            e[pr] = ep
-        blocks[pr] = np.add.reduceat(ep, starts, axis=1)
-        cum[pr] = np.cumsum(blocks[pr], axis=1, dtype=np.float64)
+    top_p = args.top_p[s]
+    pr = (top_p < 1.0) & live
+    if pr.any():
+        target = top_p * cum[:, -1]
+        on = pr[rows_c]
+        pfloor, _ = _nucleus(rows_c[on], e_c[on], target, n)  # 0 where not cut
+        on = e_c >= pfloor[rows_c]
+        parts = [(rows_c[on], cols_c[on], e_c[on])]
+        dp = np.flatnonzero(pr[dn])  # dense top-p rows, positions in ``dn``
+        if dp.size:
+            parts.append(_dense_nucleus(_rows(ed, dp), dn[dp], cum[dn[dp], -1], top_p[dn[dp]]))
+            dense_of[parts[-1][0]] = -1  # now candidate lists
+        rows_c, cols_c, e_c = _concat_rows(parts)
+        changed = np.flatnonzero(pr & (dense_of < 0))
+        blocks[changed] = 0.0
+        _set_block_sums(blocks, rows_c, cols_c, e_c, v)
+        cum[changed] = np.cumsum(blocks[changed], axis=1, dtype=np.float64)
 
     # Inverse CDF in token-id order with one uniform per row, in two levels
     # (block, then token within it) to avoid a cumsum over the vocabulary.
-    out = np.empty(n, dtype=np.int64)
-    for i in range(n):
-        u = args.rngs[s[i]].random()  # exactly one draw per non-greedy row per step
-        j = -1 if dead[i] else _draw(e[i], blocks[i], cum[i], u)
-        # j < 0: nothing left to draw from (all banned, min_p > 1, ...)
-        out[i] = j if j >= 0 else raw[s[i]].argmax()
+    u = np.array([args.rngs[i].random() for i in s])  # exactly one per row per step
+    total = cum[:, -1]
+    ok = live & (total > 0)  # else nothing left to draw from (all banned, min_p > 1, ...)
+    goal = u * total
+    at = np.arange(n)
+    b = np.minimum(np.count_nonzero(cum <= goal[:, None], axis=1), nb - 1)
+    # rounding at the very top: step back to the last block with mass
+    b = np.maximum.accumulate(np.where(blocks > 0, np.arange(nb), -1), axis=1)[at, b]
+    b[~ok] = 0
+    goal -= np.where(b > 0, cum[at, b - 1], 0.0)
+    part = np.zeros((n, _DRAW_BLOCK), dtype=np.float32)  # each row's chosen block
+    di = np.flatnonzero(ok & (dense_of >= 0))
+    if di.size:
+        ids = b[di, None] * _DRAW_BLOCK + np.arange(_DRAW_BLOCK)
+        part[di] = np.where(ids < v, ed[dense_of[di, None], np.minimum(ids, v - 1)], 0.0)
+    on = (cols_c // _DRAW_BLOCK == b[rows_c]) & (dense_of[rows_c] < 0)
+    part[rows_c[on], cols_c[on] % _DRAW_BLOCK] = e_c[on]
+    inner = np.cumsum(part, axis=1, dtype=np.float64)
+    j = np.count_nonzero(inner <= goal[:, None], axis=1)
+    for i in np.flatnonzero(ok & (j >= _DRAW_BLOCK)):  # rounding: the block's last token with mass
+        j[i] = np.flatnonzero(part[i])[-1]
+    out = b * _DRAW_BLOCK + j
+    if not ok.all():
+        out[~ok] = raw[s[~ok]].argmax(axis=1)
     return out
 
 
-def _draw(row: np.ndarray, blocks: np.ndarray, cum: np.ndarray, u: float) -> int:
-    """The token where the running mass of ``row`` [V] (unnormalised, token-id
-    order) first exceeds ``u`` times its total; -1 if the row has no mass.
-    ``blocks`` [nb] are its per-block masses and ``cum`` [nb] their running sum."""
-    if not cum[-1] > 0:
-        return -1
-    target = u * cum[-1]
-    b = min(int(np.searchsorted(cum, target, side="right")), cum.size - 1)
-    while blocks[b] <= 0:  # rounding at the very top: step back to mass
-        b -= 1
-    lo = b * _DRAW_BLOCK
-    part = row[lo : lo + _DRAW_BLOCK]
-    inner = np.cumsum(part, dtype=np.float64)
-    j = int(np.searchsorted(inner, target - (cum[b - 1] if b else 0.0), side="right"))
-    if j >= part.size:  # rounding: the block's last token with mass
-        j = int(np.flatnonzero(part)[-1])
-    return lo + j
+def _rows(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """``a[idx]``, or ``a`` itself (no copy) when ``idx`` is every row in order."""
+    return a if idx.size == a.shape[0] else a[idx]
 
 
-def _nucleus_floor(e: np.ndarray, target: np.ndarray) -> np.ndarray:
-    """Per row of ``e`` [P, V] (unnormalised probabilities), the probability of
-    the last token of the smallest most-likely-first set whose mass reaches
-    ``target`` [P] (top_p times the row's mass); ties at that value are all
-    kept by the caller. 0 (keep everything) where rounding makes it unreachable."""
+def _where(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.nonzero`` of a [R, V] mask (row-then-column order), several times
+    faster: one flat scan instead of a multi-index walk."""
+    flat = np.flatnonzero(mask)
+    return np.divmod(flat, mask.shape[1])
+
+
+def _below(bound: np.ndarray) -> np.ndarray:
+    """A float32 lower bound on every x whose ``x / t`` rounds to at least
+    ``bound / t`` (given ``bound`` in x units): a relative margin far wider
+    than float32 rounding, so a pre-filter at it never drops a token."""
+    lo = (bound - (np.abs(bound) * 1e-5 + 1e-30)).astype(np.float32)
+    return np.nextafter(lo, np.float32(-np.inf))
+
+
+def _concat_rows(
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Join (row, token, value) lists of disjoint rows, each in row-then-token
+    order, into one list in that order."""
+    if not parts:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32)
+    r, c, val = (np.concatenate(p) for p in zip(*parts, strict=True))
+    order = np.argsort(r, kind="stable")
+    return r[order], c[order], val[order]
+
+
+def _kth_largest(
+    x: np.ndarray, k: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per row of ``x`` [K, V] its ``k``-th largest value [K], and every entry
+    (row, token, value; row-then-token order) at or above a lower bound of it
+    (a superset of the tokens a cut at it keeps, ties and rounding included).
+
+    Any k entries of a row bound its k-th largest from below; the maxima of
+    ``_KTH_GROUPS`` strided groups are a cheap such set that is nearly the
+    top one, so one compare leaves few survivors to rank."""
+    kk, v = x.shape
+    kmax = int(k.max())
+    cols = max(_KTH_GROUPS, 4 * kmax)
+    per = v // cols
+    heads = x
+    if per >= 2:
+        heads = x[:, : per * cols].reshape(kk, per, cols).max(axis=1)  # [K, cols]
+        if per * cols < v:
+            heads = np.concatenate([heads, x[:, per * cols :]], axis=1)
+    h = heads.shape[1]
+    top = np.partition(heads, h - kmax, axis=1)[:, h - kmax :]  # [K, kmax] largest, unsorted
+    top.sort(axis=1)
+    bound = top[np.arange(kk), kmax - k]
+    rr, cc = _where(x >= _below(bound.astype(np.float64))[:, None])
+    vals = x[rr, cc]
+    counts = np.bincount(rr, minlength=kk)
+    kth = _sorted_desc(rr, vals)[1][np.cumsum(counts) - counts + k - 1]
+    return kth, rr, cc, vals
+
+
+def _sorted_desc(rows: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(rows, vals)`` (float32, no NaN) sorted by row, then value largest
+    first: one sort of int64 keys (row, order-preserving bits of the value),
+    several times faster than ``np.lexsort``."""
+    bits = vals.view(np.uint32).astype(np.int64)
+    up = np.where(bits >= 2**31, 2**32 - 1 - bits, bits + 2**31)  # ascending with the value
+    key = np.sort((rows.astype(np.int64) << 32) | (2**32 - 1 - up))
+    up = 2**32 - 1 - (key & (2**32 - 1))
+    bits = np.where(up >= 2**31, up - 2**31, 2**32 - 1 - up)
+    return key >> 32, bits.astype(np.uint32).view(np.float32)
+
+
+def _set_block_sums(
+    blocks: np.ndarray, rows: np.ndarray, cols: np.ndarray, e: np.ndarray, v: int
+) -> None:
+    """``blocks[r, j]`` = the mass of block j of row r's candidates (row-then-
+    token order), summed exactly as ``np.add.reduceat`` sums the dense row:
+    each touched block is laid out whole, zeros for the other tokens."""
+    if not rows.size:
+        return
+    nb = blocks.shape[1]
+    key = rows * nb + cols // _DRAW_BLOCK
+    new = np.concatenate(([True], key[1:] != key[:-1]))
+    seg = np.cumsum(new) - 1  # segment of each candidate
+    first = key[new]
+    size = np.minimum(_DRAW_BLOCK, v - (first % nb) * _DRAW_BLOCK)  # the last block is short
+    start = np.cumsum(size) - size
+    buf = np.zeros(int(size.sum()), dtype=np.float32)
+    buf[start[seg] + cols % _DRAW_BLOCK] = e
+    blocks.reshape(-1)[first] = np.add.reduceat(buf, start)
+
+
+def _nucleus(
+    rows: np.ndarray, e: np.ndarray, target: np.ndarray, n: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per row (of ``n``) of the lists ``rows``/``e`` (unnormalised
+    probabilities), the value of the last token of the smallest most-likely-
+    first set whose mass reaches ``target`` [n]; ties at that value are all
+    kept by the caller. Also whether it was reached: 0 where not (rounding, or
+    a row without entries), which keeps everything."""
+    out = np.zeros(n, dtype=np.float32)
+    found = np.zeros(n, dtype=bool)
+    if not rows.size:
+        return out, found
+    r, val = _sorted_desc(rows, e)
+    counts = np.bincount(r, minlength=n)
+    have = np.flatnonzero(counts)
+    slot = np.cumsum(counts > 0) - 1  # row -> its line of ``head``
+    starts = np.cumsum(counts) - counts
+    head = np.zeros((have.size, int(counts.max())), dtype=np.float32)  # zero padded
+    head[slot[r], np.arange(r.size) - starts[r]] = val
+    reached = np.cumsum(head, axis=1, dtype=np.float64) >= target[have, None]
+    hit = reached.any(axis=1)
+    found[have] = hit
+    out[have[hit]] = head[hit, reached[hit].argmax(axis=1)]
+    return out, found
+
+
+def _dense_nucleus(
+    e: np.ndarray, rows: np.ndarray, mass: np.ndarray, top_p: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Top-p of whole-vocabulary rows ``e`` [P, V] (unnormalised probabilities,
+    at most 1, of total ``mass`` [P], sampler rows ``rows``): their kept tokens
+    as (row, token, value) lists.
+
+    The nucleus is ranked among the tokens above a threshold, lowered until it
+    holds the nucleus: first fractions of the top probability, then
+    (1 - top_p) * mass / V (the tokens below that hold less than 1 - top_p of
+    the mass together), then, where rounding still defeats it, the whole row."""
     p, v = e.shape
-    c = min(v, NUCLEUS_CANDIDATES)
-    head = np.partition(e, v - c, axis=1)[:, v - c :] if c < v else e.copy()  # [P, c]
-    head.sort(axis=1)
-    head = head[:, ::-1]  # descending
-    reached = np.cumsum(head, axis=1, dtype=np.float64) >= target[:, None]
-    found = reached.any(axis=1)
-    out = np.where(found, head[np.arange(p), reached.argmax(axis=1)], 0.0).astype(np.float32)
-    if c < v:
-        for i in np.flatnonzero(~found):  # nucleus wider than the candidates: full sort
-            full = np.sort(e[i])[::-1]
-            hit = np.cumsum(full, dtype=np.float64) >= target[i]
-            out[i] = full[hit.argmax()] if hit.any() else 0.0
-    return out
+    target = top_p * mass
+    floor = np.zeros(p, dtype=np.float32)
+    left = np.arange(p)  # rows whose nucleus is not found yet
+    parts = []
+    for level in (2.0**-7, 2.0**-14, None):
+        if level is None:
+            thr = ((1.0 - top_p[left]) * mass[left] / v).astype(np.float32)
+        else:
+            thr = np.full(left.size, level, dtype=np.float32)
+        sub = _rows(e, left)
+        rr, cc = _where(sub >= thr[:, None])
+        vals = sub[rr, cc]
+        f, found = _nucleus(rr, vals, target[left], left.size)
+        on = found[rr] & (vals >= f[rr])
+        parts.append((rows[left[rr[on]]], cc[on], vals[on]))
+        floor[left] = f
+        left = left[~found]
+        if not left.size:
+            break
+    for i in left:  # the bound fell short: a full sort decides
+        full = np.sort(e[i])[::-1]
+        hit = np.cumsum(full, dtype=np.float64) >= target[i]
+        last = full[hit.argmax()] if hit.any() else np.float32(0.0)
+        ids = np.flatnonzero((e[i] >= last) & (e[i] > 0))
+        parts.append((np.full(ids.size, rows[i]), ids, e[i, ids]))
+    return _concat_rows(parts)
 
 
 def _logprobs(
