@@ -199,7 +199,7 @@ def _before_issue14_sample(logits: np.ndarray, args: SamplingArgs) -> SampleOutp
         s = np.flatnonzero(~greedy)
         if s.size:
             tokens[s] = _old_sample_rows(raw, x, s, args)
-        logprobs, top_ids, top_lps = sampler._logprobs(raw, tokens, args)
+        logprobs, top_ids, top_lps = _old_logprobs(raw, tokens, args)
     return SampleOutput(tokens, logprobs, top_ids, top_lps)
 
 
@@ -281,6 +281,47 @@ def _old_nucleus_floor(e: np.ndarray, target: np.ndarray) -> Any:
             hit = np.cumsum(full, dtype=np.float64) >= target[i]
             out[i] = full[hit.argmax()] if hit.any() else 0.0
     return out
+
+
+def _old_logprobs(
+    raw: np.ndarray, tokens: np.ndarray, args: SamplingArgs
+) -> tuple[np.ndarray | None, list[np.ndarray], list[np.ndarray]]:
+    b, v = raw.shape
+    no_ids = np.zeros(0, dtype=np.int64)
+    no_lps = np.zeros(0, dtype=np.float32)
+    top_ids = [no_ids] * b
+    top_lps = [no_lps] * b
+    n_top = np.minimum(args.top_logprobs, v)
+    lr = np.flatnonzero(args.want_logprobs | (n_top > 0))
+    if not lr.size:
+        return None, top_ids, top_lps
+    r = raw if lr.size == b else raw[lr]  # [L, V]; read only
+    m = r.max(axis=1)
+    lse = m + np.log(np.exp(r - m[:, None]).sum(axis=1))  # [L]
+    logprobs = np.zeros(b, dtype=np.float32)
+    logprobs[lr] = r[np.arange(lr.size), tokens[lr]] - lse
+
+    t = np.flatnonzero(n_top[lr] > 0)  # positions in lr
+    if t.size:
+        n = int(n_top[lr[t]].max())
+        rt = r[t]  # [T, V]
+        ids = np.argpartition(rt, v - n, axis=1)[:, v - n :] if n < v else np.argsort(rt, axis=1)
+        vals = np.take_along_axis(rt, ids, axis=1)  # [T, n]
+        # Where a tie straddles the cut, argpartition's pick is arbitrary:
+        # take the lowest ids among the tied tokens instead.
+        cut = vals.min(axis=1)
+        for j in np.flatnonzero(np.count_nonzero(rt >= cut[:, None], axis=1) > n):
+            cand = np.flatnonzero(rt[j] >= cut[j])  # ascending ids
+            ids[j] = cand[np.lexsort((cand, -rt[j, cand]))[:n]]
+            vals[j] = rt[j, ids[j]]
+        order = np.lexsort((ids, -vals), axis=1)  # most likely first, ties by lowest id
+        ids = np.take_along_axis(ids, order, axis=1)
+        lps = (np.take_along_axis(vals, order, axis=1) - lse[t, None]).astype(np.float32)
+        for k, pos in enumerate(t):
+            row, want = int(lr[pos]), int(n_top[lr[pos]])
+            top_ids[row] = ids[k, :want].astype(np.int64)
+            top_lps[row] = lps[k, :want].copy()
+    return logprobs, top_ids, top_lps
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -23,6 +23,13 @@ own logits, parameters and generator, never on the other rows of the batch.
 
 Logprobs are always those of the raw model distribution (log-softmax of the
 unprocessed logits), whatever penalties or temperature were used to sample.
+
+Cost: a row with a cut-off (top-k, min-p) is reduced to its few kept tokens by
+a couple of compares over the vocabulary and handled as a list from then on;
+only rows that nothing truncates exponentiate the whole vocabulary. The
+per-token arithmetic is the dense one (same float32 operations, block masses
+summed over the same blocks), so both forms draw the same tokens;
+``tests/unit/test_sampler_golden.py`` holds the draws fixed.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ from genai_service.engine.request import SamplingParams
 _KTH_GROUPS = 1024
 # Tokens per block of the two-level inverse-CDF draw (about sqrt(vocab)).
 _DRAW_BLOCK = 256
+_NO_IDS = np.zeros(0, dtype=np.int64)
+_NO_VALS = np.zeros(0, dtype=np.float32)
 
 
 @dataclass
@@ -265,9 +274,8 @@ def _sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingAr
     xs = _rows(x, s)  # [S, V]; a view when every row samples, so read only
     t = args.temperature[s]  # [S] float32, > 0
     m = xs.max(axis=1) / t  # == max(xs / t): dividing by t > 0 keeps the order
-    dead = ~np.isfinite(m)  # everything masked (or NaN/inf): raw argmax
-    m[dead] = 0.0
-    live = ~dead
+    live = np.isfinite(m)  # else everything masked (or NaN/inf): raw argmax
+    m[~live] = 0.0
 
     # Lowest (temperature-scaled) logit each row keeps. Min-p and top-k both
     # keep "the highest values", so they commute and combine into one floor.
@@ -285,28 +293,14 @@ def _sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingAr
         floor[kr] = np.maximum(floor[kr], kth / t[kr])  # the k-th largest of xs / t
         survivors = (kr[rr], cc, vals)
 
-    # Candidate lists (row, token, x) in row-then-token order for the rows
+    # Candidate lists (row, token, e) in row-then-token order for the rows
     # with a finite floor; top-k rows take them from the survivors of their
     # k-th-largest search, min-p-only rows from one compare.
     cut = np.isfinite(floor) & live
-    has_k = np.zeros(n, dtype=bool)
-    has_k[kr] = True
-    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-    if survivors is not None:
-        on = cut[survivors[0]]
-        parts.append((survivors[0][on], survivors[1][on], survivors[2][on]))
-    mo = np.flatnonzero(cut & ~has_k)
-    if mo.size:
-        xm = _rows(xs, mo)
-        rr, cc = _where(xm >= _below(floor[mo].astype(np.float64) * t[mo])[:, None])
-        parts.append((mo[rr], cc, xm[rr, cc]))
-    rows_c, cols_c, x_c = _concat_rows(parts)
-    xc = x_c / t[rows_c]
-    on = xc >= floor[rows_c]
-    rows_c, cols_c, xc = rows_c[on], cols_c[on], xc[on]
-    e_c = np.exp(xc - m[rows_c])  # [N] unnormalised probabilities exp(x - max)
-    on = e_c > 0  # (an underflow adds nothing anywhere)
-    rows_c, cols_c, e_c = rows_c[on], cols_c[on], e_c[on]
+    rows_c = cols_c = _NO_IDS
+    e_c = _NO_VALS
+    if cut.any():
+        rows_c, cols_c, e_c = _candidates(xs, t, m, floor, cut, kr, survivors)
 
     # Mass per block of _DRAW_BLOCK tokens and its running total, [S, nb]:
     # the top-p target and the first level of the draw. (Every reduction here
@@ -316,14 +310,16 @@ def _sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingAr
     dn = np.flatnonzero(live & ~cut)  # rows with nothing cut: the whole vocabulary
     dense_of = np.full(n, -1, dtype=np.int64)  # row -> its row of ``ed``
     dense_of[dn] = np.arange(dn.size)
-    ed = np.zeros((0, v), dtype=np.float32)
+    padded = np.zeros((dn.size, nb * _DRAW_BLOCK), dtype=np.float32)  # [D, nb * 256]
+    ed = padded[:, :v]  # [D, V]; the padding stays 0
     if dn.size:
-        ed = np.divide(_rows(xs, dn), t[dn, None])  # [D, V] new array
+        np.divide(_rows(xs, dn), t[dn, None], out=ed)
         ed -= m[dn, None]
         np.exp(ed, out=ed)
         blocks[dn] = np.add.reduceat(ed, np.arange(0, v, _DRAW_BLOCK), axis=1)
     _set_block_sums(blocks, rows_c, cols_c, e_c, v)
-    cum = np.cumsum(blocks, axis=1, dtype=np.float64)
+    cum = np.zeros((n, nb + 1))  # cum[:, j + 1]: mass of blocks 0..j, float64
+    np.cumsum(blocks, axis=1, dtype=np.float64, out=cum[:, 1:])
 
     # Top-p on the distribution renormalised after min-p and top-k.
     top_p = args.top_p[s]
@@ -338,11 +334,12 @@ def _sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingAr
         if dp.size:
             parts.append(_dense_nucleus(_rows(ed, dp), dn[dp], cum[dn[dp], -1], top_p[dn[dp]]))
             dense_of[parts[-1][0]] = -1  # now candidate lists
-        rows_c, cols_c, e_c = _concat_rows(parts)
-        changed = np.flatnonzero(pr & (dense_of < 0))
-        blocks[changed] = 0.0
-        _set_block_sums(blocks, rows_c, cols_c, e_c, v)
-        cum[changed] = np.cumsum(blocks[changed], axis=1, dtype=np.float64)
+        if dp.size or not on.all():
+            rows_c, cols_c, e_c = _concat_rows(parts)
+            changed = np.flatnonzero(pr & (dense_of < 0))
+            blocks[changed] = 0.0
+            _set_block_sums(blocks, rows_c, cols_c, e_c, v)
+            cum[changed, 1:] = np.cumsum(blocks[changed], axis=1, dtype=np.float64)
 
     # Inverse CDF in token-id order with one uniform per row, in two levels
     # (block, then token within it) to avoid a cumsum over the vocabulary.
@@ -351,18 +348,20 @@ def _sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingAr
     ok = live & (total > 0)  # else nothing left to draw from (all banned, min_p > 1, ...)
     goal = u * total
     at = np.arange(n)
-    b = np.minimum(np.count_nonzero(cum <= goal[:, None], axis=1), nb - 1)
-    # rounding at the very top: step back to the last block with mass
-    b = np.maximum.accumulate(np.where(blocks > 0, np.arange(nb), -1), axis=1)[at, b]
-    b[~ok] = 0
-    goal -= np.where(b > 0, cum[at, b - 1], 0.0)
-    part = np.zeros((n, _DRAW_BLOCK), dtype=np.float32)  # each row's chosen block
-    di = np.flatnonzero(ok & (dense_of >= 0))
-    if di.size:
-        ids = b[di, None] * _DRAW_BLOCK + np.arange(_DRAW_BLOCK)
-        part[di] = np.where(ids < v, ed[dense_of[di, None], np.minimum(ids, v - 1)], 0.0)
-    on = (cols_c // _DRAW_BLOCK == b[rows_c]) & (dense_of[rows_c] < 0)
-    part[rows_c[on], cols_c[on] % _DRAW_BLOCK] = e_c[on]
+    b = np.minimum(np.count_nonzero(cum[:, 1:] <= goal[:, None], axis=1), nb - 1)
+    empty = blocks[at, b] <= 0
+    if empty.any():  # rounding at the very top: step back to the last block with mass
+        last = np.maximum.accumulate(np.where(blocks > 0, np.arange(nb), -1), axis=1)
+        b[empty] = np.maximum(last[empty, b[empty]], 0)
+    goal -= cum[at, b]
+    # Each row's chosen block [S, 256], then the token within it.
+    part = np.zeros((n, _DRAW_BLOCK), dtype=np.float32)
+    dense = dn[dense_of[dn] >= 0]  # (top-p turned the others into lists)
+    if dense.size:
+        part[dense] = padded.reshape(dn.size, nb, _DRAW_BLOCK)[dense_of[dense], b[dense]]
+    if rows_c.size:
+        on = cols_c // _DRAW_BLOCK == b[rows_c]  # (no listed row is dense)
+        part[rows_c[on], cols_c[on] % _DRAW_BLOCK] = e_c[on]
     inner = np.cumsum(part, axis=1, dtype=np.float64)
     j = np.count_nonzero(inner <= goal[:, None], axis=1)
     for i in np.flatnonzero(ok & (j >= _DRAW_BLOCK)):  # rounding: the block's last token with mass
@@ -371,6 +370,38 @@ def _sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingAr
     if not ok.all():
         out[~ok] = raw[s[~ok]].argmax(axis=1)
     return out
+
+
+def _candidates(
+    xs: np.ndarray,
+    t: np.ndarray,
+    m: np.ndarray,
+    floor: np.ndarray,
+    cut: np.ndarray,
+    kr: np.ndarray,
+    survivors: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The kept tokens of the rows ``cut`` (those with a finite ``floor``) as
+    (row, token, exp(xs / t - m)) lists in row-then-token order: the same
+    float32 operations per token as on a dense row."""
+    parts = []
+    if survivors is not None:
+        on = cut[survivors[0]]
+        parts.append((survivors[0][on], survivors[1][on], survivors[2][on]))
+    plain = cut.copy()
+    plain[kr] = False
+    mo = np.flatnonzero(plain)  # min-p without top-k
+    if mo.size:
+        xm = _rows(xs, mo)
+        rr, cc = _where(xm >= _below(floor[mo].astype(np.float64) * t[mo])[:, None])
+        parts.append((mo[rr], cc, xm[rr, cc]))
+    rows, cols, x = _concat_rows(parts)
+    xt = x / t[rows]
+    on = xt >= floor[rows]
+    rows, cols = rows[on], cols[on]
+    e = np.exp(xt[on] - m[rows])  # [N] unnormalised probabilities exp(x - max)
+    on = e > 0  # (an underflow adds nothing anywhere)
+    return rows[on], cols[on], e[on]
 
 
 def _rows(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
@@ -399,7 +430,9 @@ def _concat_rows(
     """Join (row, token, value) lists of disjoint rows, each in row-then-token
     order, into one list in that order."""
     if not parts:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32)
+        return _NO_IDS, _NO_IDS, _NO_VALS
+    if len(parts) == 1:
+        return parts[0]
     r, c, val = (np.concatenate(p) for p in zip(*parts, strict=True))
     order = np.argsort(r, kind="stable")
     return r[order], c[order], val[order]
@@ -408,9 +441,19 @@ def _concat_rows(
 def _kth_largest(
     x: np.ndarray, k: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per row of ``x`` [K, V] its ``k``-th largest value [K], and every entry
-    (row, token, value; row-then-token order) at or above a lower bound of it
-    (a superset of the tokens a cut at it keeps, ties and rounding included).
+    """Per row of ``x`` [K, V] its ``k``-th largest value [K], and the
+    ``_top_survivors`` it was ranked among (a superset of the tokens a cut at
+    it keeps, ties and rounding included)."""
+    rr, cc, vals = _top_survivors(x, k)
+    counts = np.bincount(rr, minlength=x.shape[0])
+    kth = _sorted_desc(rr, vals)[1][np.cumsum(counts) - counts + k - 1]
+    return kth, rr, cc, vals
+
+
+def _top_survivors(x: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every entry (row, token, value; row-then-token order) of ``x`` [K, V]
+    at or above a lower bound of its row's ``k``-th largest value, less a
+    margin wider than the rounding of a division by the temperature.
 
     Any k entries of a row bound its k-th largest from below; the maxima of
     ``_KTH_GROUPS`` strided groups are a cheap such set that is nearly the
@@ -428,17 +471,22 @@ def _kth_largest(
     top = np.partition(heads, h - kmax, axis=1)[:, h - kmax :]  # [K, kmax] largest, unsorted
     top.sort(axis=1)
     bound = top[np.arange(kk), kmax - k]
-    rr, cc = _where(x >= _below(bound.astype(np.float64))[:, None])
-    vals = x[rr, cc]
-    counts = np.bincount(rr, minlength=kk)
-    kth = _sorted_desc(rr, vals)[1][np.cumsum(counts) - counts + k - 1]
-    return kth, rr, cc, vals
+    mask = x >= _below(bound.astype(np.float64))[:, None]  # [K, V]
+    short = np.count_nonzero(mask, axis=1) < k  # NaN or inf in the row (raw logits only)
+    if short.any():
+        mask[short] = True
+    rr, cc = _where(mask)
+    return rr, cc, x[rr, cc]
 
 
 def _sorted_desc(rows: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(rows, vals)`` (float32, no NaN) sorted by row, then value largest
-    first: one sort of int64 keys (row, order-preserving bits of the value),
-    several times faster than ``np.lexsort``."""
+    first. Long lists sort int64 keys (row, order-preserving bits of the
+    value) once: ``np.lexsort`` is fine on a few hundred entries but an order
+    of magnitude slower on tens of thousands."""
+    if rows.size <= 1024:
+        order = np.lexsort((-vals, rows))
+        return rows[order], vals[order]
     bits = vals.view(np.uint32).astype(np.int64)
     up = np.where(bits >= 2**31, 2**32 - 1 - bits, bits + 2**31)  # ascending with the value
     key = np.sort((rows.astype(np.int64) << 32) | (2**32 - 1 - up))
@@ -548,28 +596,25 @@ def _logprobs(
         return None, top_ids, top_lps
     r = raw if lr.size == b else raw[lr]  # [L, V]; read only
     m = r.max(axis=1)
-    lse = m + np.log(np.exp(r - m[:, None]).sum(axis=1))  # [L]
+    shifted = r - m[:, None]  # [L, V]
+    lse = m + np.log(np.exp(shifted, out=shifted).sum(axis=1))  # [L]
     logprobs = np.zeros(b, dtype=np.float32)
     logprobs[lr] = r[np.arange(lr.size), tokens[lr]] - lse
 
     t = np.flatnonzero(n_top[lr] > 0)  # positions in lr
     if t.size:
-        n = int(n_top[lr[t]].max())
-        rt = r[t]  # [T, V]
-        ids = np.argpartition(rt, v - n, axis=1)[:, v - n :] if n < v else np.argsort(rt, axis=1)
-        vals = np.take_along_axis(rt, ids, axis=1)  # [T, n]
-        # Where a tie straddles the cut, argpartition's pick is arbitrary:
-        # take the lowest ids among the tied tokens instead.
-        cut = vals.min(axis=1)
-        for j in np.flatnonzero(np.count_nonzero(rt >= cut[:, None], axis=1) > n):
-            cand = np.flatnonzero(rt[j] >= cut[j])  # ascending ids
-            ids[j] = cand[np.lexsort((cand, -rt[j, cand]))[:n]]
-            vals[j] = rt[j, ids[j]]
-        order = np.lexsort((ids, -vals), axis=1)  # most likely first, ties by lowest id
-        ids = np.take_along_axis(ids, order, axis=1)
-        lps = (np.take_along_axis(vals, order, axis=1) - lse[t, None]).astype(np.float32)
+        want = n_top[lr[t]]
+        rr, cc, vals = _top_survivors(_rows(r, t), want)  # every top-n token, ties included
+        order = np.lexsort((cc, -vals, rr))  # per row most likely first, ties by lowest id
+        rr, cc, vals = rr[order], cc[order], vals[order]
+        counts = np.bincount(rr, minlength=t.size)
+        rank = np.arange(rr.size) - (np.cumsum(counts) - counts)[rr]
+        on = rank < want[rr]
+        rr, cc = rr[on], cc[on]
+        lps = (vals[on] - lse[t[rr]]).astype(np.float32)
+        ends = np.cumsum(want)
         for k, pos in enumerate(t):
-            row, want = int(lr[pos]), int(n_top[lr[pos]])
-            top_ids[row] = ids[k, :want].astype(np.int64)
-            top_lps[row] = lps[k, :want].copy()
+            row = int(lr[pos])
+            top_ids[row] = cc[ends[k] - want[k] : ends[k]]
+            top_lps[row] = lps[ends[k] - want[k] : ends[k]]
     return logprobs, top_ids, top_lps
