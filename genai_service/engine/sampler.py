@@ -506,6 +506,9 @@ def _set_block_sums(
     nb = blocks.shape[1]
     key = rows * nb + cols // _DRAW_BLOCK
     new = np.concatenate(([True], key[1:] != key[:-1]))
+    if new.all():  # one token per block (a small nucleus): its mass is the token's
+        blocks.reshape(-1)[key] = e
+        return
     seg = np.cumsum(new) - 1  # segment of each candidate
     first = key[new]
     size = np.minimum(_DRAW_BLOCK, v - (first % nb) * _DRAW_BLOCK)  # the last block is short
