@@ -265,7 +265,8 @@ class ProcCpu:
     """CPU seconds of named groups of processes over a window (``lap``).
 
     Each group is a list of pids; a group's figure is the sum of their
-    utime + stime deltas (NaN when one of them vanished meanwhile).
+    utime + stime deltas (NaN when one of them vanished meanwhile, or the
+    group has none: a process not found is not a process that used nothing).
     """
 
     def __init__(self, groups: dict[str, list[int]]) -> None:
@@ -273,7 +274,10 @@ class ProcCpu:
         self._mark = self._now()
 
     def _now(self) -> dict[str, float]:
-        return {name: sum(proc_cpu_seconds(p) for p in pids) for name, pids in self.groups.items()}
+        return {
+            name: sum(proc_cpu_seconds(p) for p in pids) if pids else float("nan")
+            for name, pids in self.groups.items()
+        }
 
     def lap(self) -> dict[str, float]:
         now = self._now()

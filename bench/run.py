@@ -1,11 +1,11 @@
 """``python -m bench.run``: genai-grpc against onnxruntime-genai, one run.
 
-    python -m bench.run                 # the full run (median of 3 reps, ~25 min on 2 cores)
+    python -m bench.run                 # the full run (median of 3 reps, ~20 min on 2 cores)
     python -m bench.run --quick         # 1 rep, fewer lengths, shorter outputs (smoke test)
     python -m bench.run --reps 5 --out bench/results/mine.json
     python -m bench.run --sections single,sessions
-    python -m bench.run --samplings greedy          # concurrency rows greedy only (faster)
-    python -m bench.run --llama-server ~/llama.cpp/build/bin/llama-server  # + llama-server
+    python -m bench.run --samplings greedy,sampled  # fewer samplings per row (faster)
+    python -m bench.run --llama-server ~/llama.cpp/build/bin/llama-server  # + ~4 min
 
 Writes JSON to ``bench/results/<timestamp>.json`` (git-ignored) and appends a
 markdown section to ``docs/benchmarks.md`` (not for ``--quick`` unless

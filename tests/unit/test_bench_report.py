@@ -149,6 +149,18 @@ def test_markdown_has_the_sampled_rows_the_cpu_table_and_the_skipped_sections() 
     assert "llama-server: not measured (no --llama-server binary given)." in md
     assert "Sampler microbenchmark: not measured" in md
     assert "0.12 ms | yes |" in md  # a target in ms
+    # issue 14's targets (with the greedy ones it restates) lead the section
+    summary = md[md.index("### Issue 14 targets") : md.index("### Single stream")]
+    assert "sampled: total tok/s ≥ 1.3× og.Engine same sampling | 1.52× | yes |" in summary
+    assert "| 8 streams, 64-token prompts + 256 new tokens: total tok/s ≥ 1.3× og.Engine" in summary
+    assert "### Other targets (issues 4 and 6)" in md
+
+
+def test_markdown_of_a_run_before_issue14_keeps_one_targets_table() -> None:
+    r = results(issue14=False)
+    r["targets"] = report.targets(r)
+    md = report.markdown(r)
+    assert "### Targets" in md and "Issue 14" not in md and "CPU per generated" not in md
 
 
 def test_history_lists_the_issue14_targets(tmp_path: Path) -> None:
@@ -206,3 +218,7 @@ def test_llama_server_section_client_against_a_stand_in(tmp_path: Path) -> None:
     finally:
         rss = server.stop()
     assert rss["hwm_sum_mb"] > 0
+
+
+def test_a_group_without_processes_is_not_measured_as_idle() -> None:
+    assert math.isnan(ProcCpu({"engine": []}).lap()["engine"])
