@@ -8,6 +8,13 @@ work taking even half a core slows a 2-thread ONNX Runtime step several-fold
 more than ``NOISY_CORES`` is run again with fresh prompts (fresh, so that no
 prefix cache helps the retry), up to ``retries`` times and within a time
 budget; the least disturbed attempt is kept and flagged if still noisy.
+
+Samplings (``workload.SAMPLINGS``, issue 14): every concurrency row runs in
+each of ``plan.concurrency_samplings`` and the single streams in each of
+``plan.single_samplings``, a rep of each sampling right after the greedy one,
+each on prompts of its own. Each measured call also records the CPU seconds of
+the processes it used (``procs.ProcCpu``: our frontend, engine process and
+client; og's worker), reported per generated token.
 """
 
 from __future__ import annotations
