@@ -171,6 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     configure_logging("console")
     sections = tuple(s for s in args.sections.split(",") if s)
+    if args.llama_server and "llama_server" not in sections:
+        sections += ("llama_server",)  # a binary given is a section asked for
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         raise SystemExit(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
