@@ -34,6 +34,8 @@ from genai_client.types import (
     SessionInfo,
     Token,
     TokenLogprob,
+    Tool,
+    ToolCall,
     TopLogprob,
     Usage,
 )
@@ -67,6 +69,8 @@ __all__ = [
     "SessionInfo",
     "Token",
     "TokenLogprob",
+    "Tool",
+    "ToolCall",
     "TopLogprob",
     "UnauthenticatedError",
     "UnavailableError",

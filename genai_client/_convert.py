@@ -21,12 +21,14 @@ from genai_client.types import (
     SessionInfo,
     Token,
     TokenLogprob,
+    Tool,
+    ToolCall,
     TopLogprob,
     Usage,
 )
 from genai_proto.genai.v1 import common_pb2, generate_pb2, model_pb2, session_pb2
 
-MessageLike = ChatMessage | Mapping[str, str] | tuple[str, str]
+MessageLike = ChatMessage | Mapping[str, Any] | tuple[str, str]
 
 
 class GenerateOptions(TypedDict, total=False):
@@ -58,6 +60,10 @@ class GenerateOptions(TypedDict, total=False):
     Structured output (at most one): ``json_schema`` (a JSON Schema, as a
     mapping or JSON text), ``regex``, ``grammar`` (Lark, or GBNF), ``choice``
     (the allowed answers), ``json_object`` (True: any JSON object).
+
+    Tools (with ``messages``): ``tools`` (``Tool`` objects or mappings, OpenAI's
+    function form accepted) and ``tool_choice`` ("auto", "none", "required"
+    or a tool's name); calls come back as ``GenerationResult.tool_calls``.
     """
 
     token_ids: Sequence[int] | None
@@ -89,6 +95,8 @@ class GenerateOptions(TypedDict, total=False):
     grammar: str | None
     choice: Sequence[str] | None
     json_object: bool | None
+    tools: Sequence[Tool | Mapping[str, Any]] | None
+    tool_choice: str | None
 
 
 _FINISH_PREFIX = "FINISH_REASON_"
@@ -101,13 +109,51 @@ def _set_optional(message: object, **values: object) -> None:
             setattr(message, name, value)
 
 
+def _tool_call(call: ToolCall | Mapping[str, Any]) -> common_pb2.ToolCall:
+    if isinstance(call, ToolCall):
+        return common_pb2.ToolCall(id=call.id, name=call.name, arguments_json=call.arguments_json)
+    arguments = call.get("arguments_json", call.get("arguments", {}))
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments)
+    return common_pb2.ToolCall(id=call.get("id", ""), name=call["name"], arguments_json=arguments)
+
+
 def _chat_message(message: MessageLike) -> common_pb2.ChatMessage:
     if isinstance(message, ChatMessage):
-        return common_pb2.ChatMessage(role=message.role, content=message.content)
+        return common_pb2.ChatMessage(
+            role=message.role,
+            content=message.content,
+            name=message.name,
+            tool_call_id=message.tool_call_id,
+            tool_calls=[_tool_call(c) for c in message.tool_calls],
+        )
     if isinstance(message, tuple):
         role, content = message
         return common_pb2.ChatMessage(role=role, content=content)
-    return common_pb2.ChatMessage(role=message["role"], content=message["content"])
+    return common_pb2.ChatMessage(
+        role=message["role"],
+        content=message["content"],
+        name=message.get("name", ""),
+        tool_call_id=message.get("tool_call_id", ""),
+        tool_calls=[_tool_call(c) for c in message.get("tool_calls", ())],
+    )
+
+
+def tool_proto(tool: Tool | Mapping[str, Any]) -> generate_pb2.Tool:
+    """A ``Tool``, or a mapping with name, description and parameters (a JSON
+    Schema mapping or text; OpenAI's ``{"type": "function", "function": {...}}``
+    form too)."""
+    if isinstance(tool, Tool):
+        name, description, parameters = tool.name, tool.description, tool.parameters
+    else:
+        spec = tool.get("function", tool)
+        name, description = spec["name"], spec.get("description", "")
+        parameters = spec.get("parameters")
+    if parameters is not None and not isinstance(parameters, str):
+        parameters = json.dumps(parameters)
+    return generate_pb2.Tool(
+        name=name, description=description, parameters_json_schema=parameters or ""
+    )
 
 
 def messages_proto(messages: Iterable[MessageLike]) -> common_pb2.Messages:
@@ -156,6 +202,8 @@ def generate_request(
     grammar: str | None = None,
     choice: Sequence[str] | None = None,
     json_object: bool | None = None,
+    tools: Sequence[Tool | Mapping[str, Any]] | None = None,
+    tool_choice: str | None = None,
 ) -> generate_pb2.GenerateRequest:
     """Build a GenerateRequest; ``None`` leaves a field unset (server default)."""
     given = [
@@ -218,6 +266,10 @@ def generate_request(
     constraint = constraint_proto(json_schema, regex, grammar, choice, json_object)
     if constraint is not None:
         request.constraint.CopyFrom(constraint)
+    if tools:
+        request.tools.extend(tool_proto(t) for t in tools)
+    if tool_choice is not None:
+        request.tool_choice = tool_choice
     return request
 
 
@@ -313,6 +365,7 @@ def result_from_response(response: generate_pb2.GenerateResponse) -> GenerationR
         session_id=response.session_id or None,
         session_tokens=response.session_tokens,
         request_id=response.request_id,
+        tool_calls=_tool_calls(response.tool_calls),
     )
 
 
@@ -329,7 +382,12 @@ def result_from_final(final: generate_pb2.Final, text: str) -> GenerationResult:
         session_id=final.session_id or None,
         session_tokens=final.session_tokens,
         request_id=final.request_id,
+        tool_calls=_tool_calls(final.tool_calls),
     )
+
+
+def _tool_calls(calls: Iterable[common_pb2.ToolCall]) -> tuple[ToolCall, ...]:
+    return tuple(ToolCall(c.id, c.name, c.arguments_json) for c in calls)
 
 
 def result_to_response(result: GenerationResult) -> generate_pb2.GenerateResponse:
@@ -360,6 +418,7 @@ def result_to_response(result: GenerationResult) -> generate_pb2.GenerateRespons
         session_id=result.session_id or "",
         session_tokens=result.session_tokens,
         request_id=result.request_id,
+        tool_calls=[_tool_call(c) for c in result.tool_calls],
     )
 
 

@@ -61,6 +61,8 @@ _OPTION_KEYS = [flag[2:].replace("-", "_") for flag, _, _ in _VALUE_FLAGS] + [
     "grammar",
     "choice",
     "json_object",
+    "tools",
+    "tool_choice",
 ]
 
 
@@ -73,6 +75,16 @@ def _file_text(path: str) -> str:
 
 def _choices(text: str) -> list[str]:
     return text.split(",")
+
+
+def _tools_file(path: str) -> list[Any]:
+    try:
+        tools = json.loads(_file_text(path))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{path}: not JSON: {e}") from None
+    if not isinstance(tools, list):
+        raise argparse.ArgumentTypeError(f"{path}: give a JSON list of tools")
+    return tools
 
 
 def _int_list(text: str) -> list[int]:
@@ -146,6 +158,15 @@ def _generation_flags() -> argparse.ArgumentParser:
     structured.add_argument(
         "--json-object", action="store_const", const=True, help="answer any JSON object"
     )
+    tools = parent.add_argument_group("tools")
+    tools.add_argument(
+        "--tools",
+        type=_tools_file,
+        metavar="FILE",
+        help="JSON list of tools ({name, description, parameters}, or OpenAI's function form); "
+        "the prompt is then sent as a user message",
+    )
+    tools.add_argument("--tool-choice", metavar="C", help="auto, none, required or a tool's name")
     return parent
 
 
@@ -281,6 +302,9 @@ def _generate(client: Client, args: argparse.Namespace, out: TextIO) -> int:
         if sys.stdin.isatty():
             raise ValueError("give a PROMPT, --token-ids, or a prompt on stdin")
         prompt = sys.stdin.read()
+    if options.get("tools") and prompt is not None:
+        options["messages"] = [("user", prompt)]  # tools go through the chat template
+        prompt = None
     if args.json:
         out.write(_convert.result_to_json(client.generate(prompt, **options)) + "\n")
         return 0
@@ -289,6 +313,8 @@ def _generate(client: Client, args: argparse.Namespace, out: TextIO) -> int:
             out.write(delta.text)
             out.flush()
     out.write("\n")
+    for call in stream.result.tool_calls:
+        out.write(f"tool call {call.id}: {call.name}({call.arguments_json})\n")
     return 0
 
 

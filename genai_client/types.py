@@ -6,18 +6,50 @@ short names (``finish_reason="EOS_TOKEN"``, ``runner_kind="SHARED_BUFFER"``).
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 from genai_client.errors import GenAIClientError
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A call of one of the request's tools: ``arguments_json`` is a JSON
+    object as text; a ``tool`` message answering it names ``id``."""
+
+    id: str
+    name: str
+    arguments_json: str
+
+    @property
+    def arguments(self) -> Any:
+        return json.loads(self.arguments_json) if self.arguments_json else {}
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A tool the model may call: ``parameters`` is the JSON Schema of its
+    arguments (a mapping or JSON text)."""
+
+    name: str
+    description: str = ""
+    parameters: Mapping[str, Any] | str | None = None
+
+
+@dataclass(frozen=True)
 class ChatMessage:
-    """One message of a chat conversation (``role`` is e.g. "user")."""
+    """One message of a chat conversation (``role`` is e.g. "user"; a tool's
+    result is ``role="tool"`` with the ``tool_call_id`` it answers; an
+    assistant turn that called tools carries its ``tool_calls``)."""
 
     role: str
     content: str
+    name: str = ""
+    tool_call_id: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -82,6 +114,7 @@ class GenerationResult:
     session_id: str | None = None
     session_tokens: int = 0
     request_id: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()  # when the model called offered tools
 
 
 @dataclass(frozen=True)

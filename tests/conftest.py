@@ -31,11 +31,12 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def bytes_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The "bytes" tokenizer (one token per byte, which llguidance can read), 512
-    positions; plain attention and GQA (the shared-buffer runner)."""
+    """The "bytes" tokenizer (one token per byte, which llguidance can read), 2,048
+    positions (a tool preamble alone is ~700 bytes); plain attention and GQA
+    (the shared-buffer runner)."""
     specs = {
-        "rope": TinyModelSpec(tokenizer="bytes", max_seq_len=512),
-        "gqa": dataclasses.replace(GQA_SPEC, tokenizer="bytes", max_seq_len=512),
+        "rope": TinyModelSpec(tokenizer="bytes", max_seq_len=2048),
+        "gqa": dataclasses.replace(GQA_SPEC, tokenizer="bytes", max_seq_len=2048),
     }
     return {
         name: build_tiny_model(tmp_path_factory.mktemp(f"bytes-{name}"), s)

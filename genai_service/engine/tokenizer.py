@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import jinja2
+import jinja2.meta
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -48,6 +49,7 @@ class Tokenizer:
             int(i) for i, tok in inner.get_added_tokens_decoder().items() if tok.special
         )
         self._compiled: jinja2.Template | None = None
+        self._variables: set[str] | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path, spec: ModelSpec | None = None) -> Tokenizer:
@@ -104,10 +106,19 @@ class Tokenizer:
 
     def apply_chat_template(
         self,
-        messages: Sequence[Mapping[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
-        """Render ``messages`` (each with ``role`` and ``content``) into prompt text.
+        """Render ``messages`` (each with ``role`` and ``content``; optionally
+        ``name``, ``tool_call_id`` and ``tool_calls`` in Hugging Face's form)
+        into prompt text, offering ``tools`` (Hugging Face's form:
+        ``{"type": "function", "function": {name, description, parameters}}``).
+
+        A template that uses ``tools`` gets them as that variable; one that
+        does not gets them in ``TOOL_PREAMBLE``, in the system message. An
+        assistant message's ``tool_calls`` that the template does not render
+        are written into its content in the preamble's syntax.
 
         The template writes the special tokens itself (BOS, turn markers), so
         callers encode the result with ``add_special_tokens=False``.
@@ -120,10 +131,18 @@ class Tokenizer:
                 "messages: this model has no chat template; send text or token_ids instead"
             )
         checked = _check_messages(messages)
+        uses = self._template_variables()
+        if "tool_calls" not in self.chat_template:
+            checked = [_calls_as_content(m) for m in checked]
         variables: dict[str, Any] = {
             "messages": checked,
             "add_generation_prompt": add_generation_prompt,
         }
+        if tools:
+            if "tools" in uses:
+                variables["tools"] = [dict(t) for t in tools]
+            else:
+                checked[:] = _with_tool_preamble(checked, tools)
         if self.bos_token is not None:
             variables["bos_token"] = self.bos_token
         if self.eos_token is not None:
@@ -137,8 +156,19 @@ class Tokenizer:
         except Exception as e:  # a template tripping over unexpected input is still bad input
             raise InvalidArgument(f"messages: chat template error: {type(e).__name__}: {e}") from e
 
+    def _template_variables(self) -> set[str]:
+        """The variables the chat template reads (``tools``, ``messages``, ...)."""
+        if self._variables is None:
+            assert self.chat_template is not None
+            try:
+                ast = _environment().parse(self.chat_template)
+            except jinja2.TemplateError as e:
+                raise InvalidArgument(f"messages: chat template error: {e}") from e
+            self._variables = set(jinja2.meta.find_undeclared_variables(ast))
+        return self._variables
+
     def render_continuation(
-        self, messages: Sequence[Mapping[str, str]], history_ends_with: str = ""
+        self, messages: Sequence[Mapping[str, Any]], history_ends_with: str = ""
     ) -> str:
         """The text that continues an existing conversation with ``messages``.
 
@@ -173,7 +203,60 @@ class Tokenizer:
         return self.apply_chat_template(messages, add_generation_prompt=True)
 
 
-def _check_messages(messages: Sequence[Mapping[str, str]]) -> list[dict[str, Any]]:
+# Offered to a model whose chat template does not render `tools` (docs/design.md,
+# "Tool calls"); {tools} is one JSON object per line.
+TOOL_PREAMBLE = (
+    "You may call these tools (functions). Their signatures, as JSON Schema:\n"
+    "<tools>\n{tools}\n</tools>\n"
+    "To call a tool, answer with only a JSON object naming it and its arguments, "
+    "inside tags:\n"
+    '<tool_call>\n{{"name": "<tool name>", "arguments": {{<arguments>}}}}\n</tool_call>\n'
+    "A tool's result comes back in a message from `tool`."
+)
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def _with_tool_preamble(
+    messages: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """The tools in the system message (prepended to one, or as a new one)."""
+    listed = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
+    preamble = TOOL_PREAMBLE.format(tools=listed)
+    if messages and messages[0].get("role") == "system":
+        first = dict(messages[0], content=preamble + "\n\n" + messages[0]["content"])
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": preamble}, *messages]
+
+
+def tool_call_text(name: str, arguments: Any) -> str:
+    """A call in the preamble's syntax (``arguments``: a mapping or JSON text)."""
+    if isinstance(arguments, str):
+        arguments = json.loads(arguments) if arguments.strip() else {}
+    body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return f"{TOOL_CALL_OPEN}\n{body}\n{TOOL_CALL_CLOSE}"
+
+
+def _calls_as_content(message: dict[str, Any]) -> dict[str, Any]:
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    text = "\n".join(
+        tool_call_text(c["function"]["name"], c["function"].get("arguments", {})) for c in calls
+    )
+    content = message["content"]
+    out = {k: v for k, v in message.items() if k != "tool_calls"}
+    out["content"] = f"{content}\n{text}" if content else text
+    return out
+
+
+_OPTIONAL_KEYS = ("name", "tool_call_id")
+
+
+def _is_call(call: Any) -> bool:
+    return isinstance(call, Mapping) and isinstance(call.get("function"), Mapping)
+
+
+def _check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
         raise InvalidArgument("messages: must be a list of {role, content} messages")
     if not messages:
@@ -189,6 +272,17 @@ def _check_messages(messages: Sequence[Mapping[str, str]]) -> list[dict[str, Any
                 raise InvalidArgument(
                     f"messages[{i}].{key}: must be a string, got {type(message[key]).__name__}"
                 )
+        for key in _OPTIONAL_KEYS:
+            if key in message and not isinstance(message[key], str):
+                raise InvalidArgument(
+                    f"messages[{i}].{key}: must be a string, got {type(message[key]).__name__}"
+                )
+        calls = message.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list) and all(_is_call(c) for c in calls)):
+            raise InvalidArgument(
+                f"messages[{i}].tool_calls: must be a list of "
+                '{"id", "type": "function", "function": {"name", "arguments"}}'
+            )
         checked.append(dict(message))
     return checked
 

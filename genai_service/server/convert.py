@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -23,6 +25,7 @@ from ..engine.request import (
 )
 from ..engine.sessions import SessionInfo
 from ..engine.tokenizer import Tokenizer
+from .tools import ToolUse
 
 _PRIORITY = {
     common_pb2.PRIORITY_UNSPECIFIED: Priority.NORMAL,
@@ -41,8 +44,48 @@ def _opt(msg: object, name: str) -> object | None:
     return getattr(msg, name) if msg.HasField(name) else None  # type: ignore[attr-defined]
 
 
-def messages_to_dicts(messages: common_pb2.Messages) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.content} for m in messages.messages]
+def messages_to_dicts(messages: common_pb2.Messages) -> list[dict[str, Any]]:
+    """Chat messages as the template reads them (tool calls in Hugging Face's form)."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages.messages):
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.name:
+            message["name"] = m.name
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": _arguments(i, j, call)},
+                }
+                for j, call in enumerate(m.tool_calls)
+            ]
+        out.append(message)
+    return out
+
+
+def _arguments(i: int, j: int, call: common_pb2.ToolCall) -> Any:
+    if not call.arguments_json.strip():
+        return {}
+    try:
+        return json.loads(call.arguments_json)
+    except ValueError as e:
+        raise InvalidArgument(
+            f"messages[{i}].tool_calls[{j}].arguments_json: not valid JSON: {e}"
+        ) from e
+
+
+def _messages_size(messages: common_pb2.Messages) -> int:
+    return sum(
+        len(m.content)
+        + len(m.role)
+        + len(m.name)
+        + len(m.tool_call_id)
+        + sum(len(c.name) + len(c.arguments_json) + len(c.id) for c in m.tool_calls)
+        for m in messages.messages
+    )
 
 
 def prompt_token_ids(
@@ -50,12 +93,15 @@ def prompt_token_ids(
     tokenizer: Tokenizer,
     max_input_chars: int,
     session: SessionInfo | None = None,
+    tools: ToolUse | None = None,
 ) -> tuple[list[int], str]:
     """Tokenize the request's input; returns the ids and the text they came from.
 
     For a turn of a session that has history, text gets no special tokens by
     default (no BOS mid-conversation) and messages render as a continuation
-    of the conversation rather than a new one.
+    of the conversation rather than a new one. ``tools`` are offered through
+    the template when a conversation starts (a continuing session turn keeps
+    the first turn's rendering).
     """
     kind = request.WhichOneof("input")
     continuing = session is not None and session.history_tokens > 0
@@ -67,8 +113,7 @@ def prompt_token_ids(
         assert session is not None
         if not request.messages.messages:
             raise InvalidArgument("messages: is empty; give at least one message")
-        size = sum(len(m.content) + len(m.role) for m in request.messages.messages)
-        _check_size("messages", size, max_input_chars)
+        _check_size("messages", _messages_size(request.messages), max_input_chars)
         last = session.last_token_id
         ends_with = tokenizer.token_text(last) if last is not None else ""
         text = tokenizer.render_continuation(messages_to_dicts(request.messages), ends_with)
@@ -80,9 +125,12 @@ def prompt_token_ids(
     if kind == "messages":
         if not request.messages.messages:
             raise InvalidArgument("messages: is empty; give at least one message")
-        size = sum(len(m.content) + len(m.role) for m in request.messages.messages)
+        size = _messages_size(request.messages)
+        offered = tools.template_tools() if tools is not None else None
+        if offered:
+            size += len(json.dumps(offered))
         _check_size("messages", size, max_input_chars)
-        text = tokenizer.apply_chat_template(messages_to_dicts(request.messages))
+        text = tokenizer.apply_chat_template(messages_to_dicts(request.messages), tools=offered)
         # The template carries the special tokens itself.
         return tokenizer.encode(text, add_special_tokens=False), text
     if kind == "token_ids":
@@ -179,12 +227,12 @@ def delta(out: RequestOutput) -> generate_pb2.Delta:
     )
 
 
-def final(outputs: Sequence[RequestOutput]) -> generate_pb2.Final:
+def final(outputs: Sequence[RequestOutput], tools: ToolUse | None = None) -> generate_pb2.Final:
     """The ``Final`` event of a finished request, from all of its outputs."""
-    return _final(merge_outputs(*outputs))
+    return _final(merge_outputs(*outputs), tools)
 
 
-def _final(whole: RequestOutput) -> generate_pb2.Final:
+def _final(whole: RequestOutput, tools: ToolUse | None = None) -> generate_pb2.Final:
     usage = whole.usage
     assert whole.finish_reason is not None and usage is not None
     return generate_pb2.Final(
@@ -201,12 +249,15 @@ def _final(whole: RequestOutput) -> generate_pb2.Final:
         session_id=whole.session_id or "",
         session_tokens=whole.session_tokens,
         request_id=whole.request_id,
+        tool_calls=tools.calls(whole.text) if tools is not None else (),
     )
 
 
-def generate_response(outputs: Sequence[RequestOutput]) -> generate_pb2.GenerateResponse:
+def generate_response(
+    outputs: Sequence[RequestOutput], tools: ToolUse | None = None
+) -> generate_pb2.GenerateResponse:
     whole = merge_outputs(*outputs)
-    f = _final(whole)
+    f = _final(whole, tools)
     return generate_pb2.GenerateResponse(
         text=whole.text,
         token_ids=f.token_ids,
@@ -218,6 +269,7 @@ def generate_response(outputs: Sequence[RequestOutput]) -> generate_pb2.Generate
         session_id=f.session_id,
         session_tokens=f.session_tokens,
         request_id=f.request_id,
+        tool_calls=f.tool_calls,
     )
 
 

@@ -33,12 +33,13 @@ from genai_proto.genai.v1 import (
     session_pb2_grpc,
 )
 
-from ..engine.request import RequestOutput
+from ..engine.request import GenerationRequest, RequestOutput
 from ..engine.sessions import check_metadata
 from ..engine.tokenizer import Tokenizer
 from . import convert
 from .engine_process import EngineProcess
 from .metrics import Metrics
+from .tools import ToolUse, tool_use
 
 log = structlog.get_logger(__name__)
 
@@ -102,14 +103,25 @@ class Frontend:
         if self.draining:
             raise Unavailable("the server is shutting down; retry on another replica")
 
-    async def build_request(self, request: generate_pb2.GenerateRequest) -> Any:
+    async def build_request(
+        self, request: generate_pb2.GenerateRequest
+    ) -> tuple[GenerationRequest, ToolUse | None]:
+        """The engine's request, and the tools it offers (None: no tools)."""
+        use = tool_use(request)  # INVALID_ARGUMENT before any other work
         session = None
         if request.session_id:
             # NOT_FOUND for an unknown session comes from here, before any work.
             session = await self.engine.get_session(request.session_id, _principal.get())
-        ids, _ = convert.prompt_token_ids(request, self.tokenizer, self.max_input_chars, session)
-        return dataclasses.replace(
-            convert.generation_request(request, ids), principal=_principal.get()
+        ids, _ = convert.prompt_token_ids(
+            request, self.tokenizer, self.max_input_chars, session, use
+        )
+        built = convert.generation_request(request, ids)
+        constraint = use.constraint() if use is not None else None
+        return (
+            dataclasses.replace(
+                built, principal=_principal.get(), constraint=constraint or built.constraint
+            ),
+            use,
         )
 
     async def outputs(self, request: Any, stream_interval: int = 1) -> AsyncIterator[RequestOutput]:
@@ -135,13 +147,13 @@ class Frontend:
         """A request's stream events: a Delta per output with tokens or
         text, then one Final (shared by GenerateStream and GenerateBidi)."""
         outputs: list[RequestOutput] = []
-        built = await self.build_request(request)
+        built, use = await self.build_request(request)
         async for out in self.outputs(built, self.stream_interval):
             outputs.append(out)
             if out.token_ids or out.text:
                 yield convert.delta(out)
             if out.finished:
-                yield convert.final(outputs)
+                yield convert.final(outputs, use)
 
 
 def _event_fields(event: generate_pb2.Delta | generate_pb2.Final) -> dict[str, Any]:
@@ -233,8 +245,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.GenerateResponse:
-        outputs = [out async for out in self.fe.outputs(await self.fe.build_request(request))]
-        return convert.generate_response(outputs)
+        built, use = await self.fe.build_request(request)
+        outputs = [out async for out in self.fe.outputs(built)]
+        return convert.generate_response(outputs, use)
 
     @rpc
     async def GenerateStream(

@@ -177,3 +177,77 @@ def test_json_schema_answers_validate_with_speculation(default_model_dir: Path) 
         assert result.finish_reason is FinishReason.EOS_TOKEN, result.text
         jsonschema.validate(json.loads(result.text), PERSON)
     assert eng.counters["spec_accepted_tokens"] > 0
+
+
+WEATHER_ARGS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "minLength": 1, "maxLength": 30},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": WEATHER_ARGS,
+    },
+    {
+        "name": "get_population",
+        "description": "How many people live in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+]
+
+
+def test_tool_calls_and_a_session_turn_with_the_result(default_model_dir: Path) -> None:
+    from genai_client import ChatMessage, Client
+    from genai_service.config import ServerConfig
+    from tests.server_harness import ServerThread, free_port
+
+    schemas = {t["name"]: t["parameters"] for t in TOOLS}
+    config = ServerConfig(
+        engine=EngineConfig(
+            model_dir=str(default_model_dir), runner=RunnerConfig(intra_op_threads=2)
+        ),
+        port=free_port(),
+    )
+    srv = ServerThread(config).start()
+    try:
+        with Client(srv.target) as client, client.session() as chat:
+            first = chat.generate(
+                messages=[("user", "What is the weather like in Paris today?")],
+                tools=TOOLS,
+                tool_choice="required",
+                max_new_tokens=80,
+            )
+            (call,) = first.tool_calls
+            jsonschema.validate(call.arguments, schemas[call.name])
+            answer = chat.generate(
+                messages=[
+                    ChatMessage("tool", '{"temperature": 21, "sky": "sunny"}', tool_call_id=call.id)
+                ],
+                max_new_tokens=60,
+            )
+            assert answer.finish_reason == "EOS_TOKEN" and answer.text.strip()
+            assert answer.usage.cached_tokens >= first.session_tokens - 1
+            # A named tool, streamed: the call arrives with the final.
+            stream = client.stream(
+                messages=[("user", "How many people live in Lyon?")],
+                tools=TOOLS,
+                tool_choice="get_population",
+                max_new_tokens=60,
+            )
+            "".join(d.text for d in stream)
+            (named,) = stream.result.tool_calls
+            assert named.name == "get_population"
+            jsonschema.validate(named.arguments, schemas["get_population"])
+    finally:
+        srv.stop()

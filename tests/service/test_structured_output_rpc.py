@@ -12,7 +12,7 @@ import grpc
 import jsonschema
 import pytest
 
-from genai_client import Client, InvalidArgumentError
+from genai_client import ChatMessage, Client, InvalidArgumentError, Tool
 from genai_client.cli import main as cli_main
 from genai_proto.genai.v1 import generate_pb2, generate_pb2_grpc
 from genai_service.config import EngineConfig, ServerConfig
@@ -20,7 +20,7 @@ from tests.server_harness import ServerThread, free_port
 
 SCHEMA = {
     "type": "object",
-    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 9}},
+    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
     "required": ["ok", "n"],
     "additionalProperties": False,
     "x-guidance": {"whitespace_flexible": False},
@@ -108,3 +108,79 @@ def test_cli_structured_output_flags(
     assert capsys.readouterr().out.strip() in ("a", "b")
     with pytest.raises(SystemExit):  # two constraints: argparse refuses
         cli_main([*base, "x", "--regex", "a", "--json-object"])
+
+
+WEATHER_ARGS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    Tool("get_weather", "Weather forecast of a city", WEATHER_ARGS),
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Local time",
+            "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+        },
+    },
+]
+
+
+def test_a_required_tool_call_validates_and_a_session_continues_with_its_result(
+    client: Client,
+) -> None:
+    with client.session() as chat:
+        first = chat.generate(
+            messages=[("user", "Weather in Rome this week?")],
+            tools=TOOLS,
+            tool_choice="required",
+            max_new_tokens=120,
+        )
+        (call,) = first.tool_calls
+        assert call.name in ("get_weather", "get_time") and call.id.startswith("call_")
+        if call.name == "get_weather":
+            jsonschema.validate(call.arguments, WEATHER_ARGS)
+        else:
+            assert call.arguments == {}
+        assert first.text.startswith("<tool_call>\n") and first.finish_reason == "EOS_TOKEN"
+        # The tool's result, answering the call by id, continues the conversation.
+        second = chat.generate(
+            messages=[ChatMessage("tool", "sunny, 24C", name=call.name, tool_call_id=call.id)],
+            max_new_tokens=8,
+        )
+        assert second.usage.cached_tokens >= first.session_tokens - 1
+        assert second.session_tokens > first.session_tokens
+        assert second.tool_calls == ()  # auto-less turn: nothing parsed
+
+
+def test_a_named_tool_choice_streams_its_call_in_the_final(client: Client) -> None:
+    stream = client.stream(
+        messages=[("user", "What time is it?")], tools=TOOLS, tool_choice="get_time"
+    )
+    text = "".join(d.text for d in stream)
+    (call,) = stream.result.tool_calls
+    assert call.name == "get_time" and json.loads(call.arguments_json) == {}
+    assert text == stream.result.text
+    with pytest.raises(InvalidArgumentError) as err:
+        client.generate(messages=[("user", "x")], tools=TOOLS, tool_choice="get_date")
+    assert err.value.details == (
+        "tool_choice: 'get_date' is not one of the tools (get_weather, get_time)"
+    )
+    assert err.value.field_violations[0].field == "tool_choice"
+
+
+def test_cli_tools(
+    server: ServerThread, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tools_file = tmp_path / "tools.json"
+    tools_file.write_text(json.dumps([TOOLS[1]]))
+    base = ["--target", server.target, "generate", "What time is it?", "--tools", str(tools_file)]
+    assert cli_main([*base, "--tool-choice", "required"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^tool call call_[0-9a-f]{24}: get_time\(\{\}\)$", out, re.M), out

@@ -1,0 +1,158 @@
+"""Tool calls (docs/design.md, "Tool calls"): a request's ``tools`` and
+``tool_choice`` checked, offered through the chat template, forced by a
+constraint when the choice requires a call, and parsed out of the answer.
+
+The call syntax is the one the default preamble (``engine.tokenizer.TOOL_PREAMBLE``)
+asks for, which is also what many chat models are trained on:
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from genai_common.errors import InvalidArgument
+from genai_proto.genai.v1 import common_pb2, generate_pb2
+
+from ..engine.constraints import JSON_DEFAULTS
+from ..engine.request import Constraint
+from ..engine.tokenizer import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+MAX_TOOLS = 128
+_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_CLOSE), re.S)
+_CHOICES = ("", "auto", "none", "required")
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]  # a JSON Schema of the arguments object
+
+    def template_form(self) -> dict[str, Any]:
+        """As Hugging Face's apply_chat_template passes a tool to a template."""
+        function = {"name": self.name, "description": self.description}
+        return {"type": "function", "function": {**function, "parameters": self.parameters}}
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """What a request asked of its tools: which are offered, and whether the
+    answer must be a call (``required``) or a call of one tool (``forced``)."""
+
+    tools: tuple[Tool, ...]
+    required: bool = False
+    forced: str = ""  # a tool's name
+
+    def template_tools(self) -> list[dict[str, Any]]:
+        return [t.template_form() for t in self.tools]
+
+    def constraint(self) -> Constraint | None:
+        """The grammar of an answer that must be a call; None under ``auto``."""
+        if not (self.required or self.forced):
+            return None
+        tools = [t for t in self.tools if not self.forced or t.name == self.forced]
+        call = {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+                for t in tools
+            ],
+            # The same bound on whitespace runs as any JSON answer.
+            "x-guidance": JSON_DEFAULTS,
+        }
+        # The tags as JSON string literals (Lark reads those), the call as
+        # llguidance's embedded JSON Schema.
+        open_tag, close_tag = json.dumps(TOOL_CALL_OPEN + "\n"), json.dumps("\n" + TOOL_CALL_CLOSE)
+        grammar = f"start: {open_tag} call {close_tag}\ncall: %json {json.dumps(call)}\n"
+        return Constraint("grammar", grammar)
+
+    def calls(self, text: str) -> list[common_pb2.ToolCall]:
+        """The calls of offered tools written in ``text``, in order; a call
+        whose JSON does not parse, or names no offered tool, is left as text."""
+        names = {t.name for t in self.tools}
+        out = []
+        for match in _CALL.finditer(text):
+            try:
+                body = json.loads(match.group(1))
+            except ValueError:
+                continue
+            if not isinstance(body, dict) or body.get("name") not in names:
+                continue
+            arguments = body.get("arguments", body.get("parameters", {}))
+            if not isinstance(arguments, dict):
+                continue
+            out.append(
+                common_pb2.ToolCall(
+                    id="call_" + secrets.token_hex(12),
+                    name=body["name"],
+                    arguments_json=json.dumps(arguments, ensure_ascii=False),
+                )
+            )
+        return out
+
+
+def tool_use(request: generate_pb2.GenerateRequest) -> ToolUse | None:
+    """The request's tools and tool_choice, checked; None when no tool is offered."""
+    choice = request.tool_choice
+    tools = list(request.tools)
+    if choice not in _CHOICES and not _NAME.fullmatch(choice):
+        raise InvalidArgument(
+            f"tool_choice: {choice[:64]!r} is not one of auto, none, required or a tool's name"
+        )
+    if not tools:
+        if choice not in ("", "auto", "none"):
+            raise InvalidArgument(f"tool_choice: {choice!r} needs tools; none were given")
+        return None
+    if request.WhichOneof("input") != "messages":
+        raise InvalidArgument("tools: are offered through the chat template; send messages")
+    if len(tools) > MAX_TOOLS:
+        raise InvalidArgument(f"tools: {len(tools)} given; allowed at most {MAX_TOOLS}")
+    checked: list[Tool] = []
+    for i, tool in enumerate(tools):
+        if not _NAME.fullmatch(tool.name):
+            raise InvalidArgument(
+                f"tools[{i}].name: {tool.name[:80]!r} must be 1 to 64 characters of "
+                "a-z, A-Z, 0-9, '_' and '-'"
+            )
+        if any(t.name == tool.name for t in checked):
+            raise InvalidArgument(f"tools[{i}].name: {tool.name!r} is given twice")
+        checked.append(Tool(tool.name, tool.description, _parameters(i, tool)))
+    if choice == "none":
+        return None
+    names = [t.name for t in checked]
+    if choice not in _CHOICES and choice not in names:
+        raise InvalidArgument(
+            f"tool_choice: {choice!r} is not one of the tools ({', '.join(names)})"
+        )
+    use = ToolUse(
+        tuple(checked), required=choice == "required", forced=choice if choice in names else ""
+    )
+    if use.constraint() is not None and request.HasField("constraint"):
+        raise InvalidArgument(
+            f"constraint: cannot be combined with tool_choice {choice!r}, which constrains "
+            "the answer to a tool call itself"
+        )
+    return use
+
+
+def _parameters(i: int, tool: generate_pb2.Tool) -> dict[str, Any]:
+    field = f"tools[{i}].parameters_json_schema"
+    if not tool.parameters_json_schema.strip():
+        return {"type": "object"}
+    try:
+        schema = json.loads(tool.parameters_json_schema)
+    except ValueError as e:
+        raise InvalidArgument(f"{field}: not valid JSON: {e}") from e
+    if not isinstance(schema, dict):
+        raise InvalidArgument(f"{field}: must be a JSON Schema object")
+    return schema
