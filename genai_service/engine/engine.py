@@ -131,7 +131,8 @@ class LLMEngine:
         # Session turns waiting for their record (``_pending`` is swapped each step).
         self._parked = ParkedRequests(lambda out: self._pending.append(out))
         self.last_step_idle = False  # the last step computed nothing (waiting on I/O)
-        self.picker = TokenPicker(self.spec.sampling_defaults, self.tokenizer.token_text)
+        self.token_text = self.tokenizer.token_text  # token id -> its text (stop tokens, logprobs)
+        self.picker = TokenPicker(self.spec.sampling_defaults, self.token_text)
         self.speculation = (
             Speculation(config.speculation, self.runner, self.counters)
             if config.speculation.num_tokens
@@ -394,25 +395,7 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> RequestOutput:
         """Append a picked token; apply the stop rules; the token's output."""
-        seq.token_ids.append(token)
-        seq.output_ids.append(token)
-        finish: FinishReason | None
-        if token in seq.eos_token_ids:
-            finish, text = FinishReason.EOS_TOKEN, ""
-        elif token in seq.stop_token_ids:
-            finish = FinishReason.STOP_SEQUENCE
-            text = seq.text.finish_at_stop_token(self.tokenizer.token_text(token))
-        else:
-            text = seq.text.add(token)
-            finish = (
-                FinishReason.STOP_SEQUENCE
-                if seq.text.stopped
-                else seq.limit_reached(self.context_length)
-            )
-        if finish is not None and finish is not FinishReason.STOP_SEQUENCE:
-            text += seq.text.finish()  # what the detokenizer and stop matcher held back
-            if seq.text.stopped:
-                finish = FinishReason.STOP_SEQUENCE
+        text, finish = seq.append(token, self.context_length, self.token_text)
         delta = RequestOutput(seq.request_id, (token,), text, (lp,) if lp else ())
         if finish is None:
             return delta

@@ -13,7 +13,7 @@ import enum
 import itertools
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -75,6 +75,30 @@ class Sequence:
     def num_pending(self) -> int:
         """Tokens whose KV is not computed yet."""
         return len(self.token_ids) - self.num_computed
+
+    def append(
+        self, token: int, context_length: int, token_text: Callable[[int], str]
+    ) -> tuple[str, FinishReason | None]:
+        """Append a picked token and apply the stop rules: the text it makes safe
+        to stream and why the sequence finishes with it, if it does (the text
+        then includes what the detokenizer and stop matcher held back)."""
+        self.token_ids.append(token)
+        self.output_ids.append(token)
+        text_out = self.text
+        finish: FinishReason | None
+        if token in self.eos_token_ids:
+            finish, text = FinishReason.EOS_TOKEN, ""
+        elif token in self.stop_token_ids:
+            return text_out.finish_at_stop_token(token_text(token)), FinishReason.STOP_SEQUENCE
+        else:
+            text = text_out.add(token)
+            if text_out.stopped:
+                return text, FinishReason.STOP_SEQUENCE
+            finish = self.limit_reached(context_length)
+            if finish is None:
+                return text, None
+        text += text_out.finish()  # a stop string may still complete in the held-back text
+        return text, FinishReason.STOP_SEQUENCE if text_out.stopped else finish
 
     def limit_reached(self, context_length: int) -> FinishReason | None:
         """The limit the sequence has reached, if any: ``max_new_tokens``, the
