@@ -232,7 +232,10 @@ class SharedBufferRunner(ModelRunner):
         batch, n_new = input_ids.shape
         total = max(lens) + n_new
         # Right-padded: row b holds lens[b] + n_new real positions.
-        mask = (np.arange(total) < np.asarray(lens)[:, None] + n_new).astype(np.int64)
+        if min(lens) + n_new == total:
+            mask = np.ones((batch, total), np.int64)  # no padding (always so for one row)
+        else:
+            mask = (np.arange(total) < np.asarray(lens)[:, None] + n_new).astype(np.int64)
         wide = keep > 1 and spec.logits_last_only
         binding = self._binding(lo, hi, wide)
         if wide:
@@ -259,7 +262,8 @@ class SharedBufferRunner(ModelRunner):
         # get_outputs() would wrap every output, the KV buffers included.
         rows = 1 if spec.logits_last_only else n_new
         logits = np.empty((batch, rows, spec.vocab_size), np.float32)
-        binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
+        # An OrtValue over the array: half the Python of bind_output with a pointer.
+        binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
         self.session.run_with_iobinding(binding)
         return logits[:, -keep:, :]
 
