@@ -443,6 +443,8 @@ class LLMEngine:
         per step while others run, and free as many slots as waiting requests
         need now (``KvReuse.store_finished``). Returns the chunks copied."""
         scheduler, finished = self.scheduler, len(self.kv_reuse.finished)
+        if not finished:
+            return 0  # the common step
         # Slots the waiting requests could take that only finished sequences hold.
         free = self.config.scheduler.max_num_seqs - len(scheduler.running) - finished
         must_free = min(finished, scheduler.num_waiting - free)
