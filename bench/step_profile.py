@@ -127,13 +127,11 @@ def measure(
     probes = Probes(clock)
     runner, picker = engine.runner, engine.picker
     session = runner.session  # type: ignore[attr-defined]
-    saved = {
-        (obj, attr): getattr(obj, attr)
-        for obj, attr in [
-            (session, "run_with_iobinding"),
-            (session, "run"),
-            (picker, "pick"),
-        ]
+    # What each wrapped attribute was in the object's own namespace (None:
+    # not set there, the class's method showed through).
+    saved: dict[tuple[Any, str], Any] = {
+        (obj, attr): vars(obj).get(attr)
+        for obj, attr in [(session, "run_with_iobinding"), (session, "run"), (picker, "pick")]
     }
     probes.wrap(session, "run_with_iobinding", "ort")
     probes.wrap(session, "run", "ort")
@@ -153,10 +151,10 @@ def measure(
             (engine, "_postprocess", "postprocess"),
             (engine, "_append_token", "append_token"),
         ]:
-            saved[(obj, attr)] = getattr(obj, attr)
+            saved[(obj, attr)] = vars(obj).get(attr)
             probes.wrap(obj, attr, name)
         for cls, attr, name in classes:
-            saved[(cls, attr)] = cls.__dict__[attr]
+            saved[(cls, attr)] = vars(cls).get(attr)
             probes.wrap(cls, attr, name)
     _start(engine, batch, steps + 50, f"b{batch}-{probed}")
     rows = []
@@ -177,10 +175,10 @@ def measure(
             rows.append(row)
     finally:
         for (obj, attr), fn in saved.items():
-            if isinstance(obj, type):
+            if fn is None:
+                delattr(obj, attr)
+            else:
                 setattr(obj, attr, fn)
-            elif attr in vars(obj):
-                delattr(obj, attr)  # the class's method shows through again
         _finish(engine)
     return rows
 
@@ -244,10 +242,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=2, help="bare/probed pairs per batch")
+    parser.add_argument(
+        "--no-ort",
+        action="store_true",
+        help="skip the ONNX Runtime call (meaningless tokens): the loop with warm caches",
+    )
     args = parser.parse_args()
     from genai_service.convert.default_model import resolve_model
 
     engine = _engine(str(resolve_model(args.model, progress=False)), args.threads)
+    if args.no_ort:
+        engine.runner.session.run_with_iobinding = lambda *a, **k: None  # type: ignore[attr-defined]
     reader, writer = mp.Pipe(duplex=False)
     drain = mp.get_context("spawn").Process(target=_drain, args=(reader,), daemon=True)
     drain.start()
