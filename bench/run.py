@@ -4,6 +4,8 @@
     python -m bench.run --quick         # 1 rep, fewer lengths, shorter outputs (smoke test)
     python -m bench.run --reps 5 --out bench/results/mine.json
     python -m bench.run --sections single,sessions
+    python -m bench.run --samplings greedy,sampled  # fewer samplings per row (faster)
+    python -m bench.run --llama-server ~/llama.cpp/build/bin/llama-server  # + ~4 min
 
 Writes JSON to ``bench/results/<timestamp>.json`` (git-ignored) and appends a
 markdown section to ``docs/benchmarks.md`` (not for ``--quick`` unless
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -33,17 +37,36 @@ from genai_service.convert.default_model import default_cache_dir, default_gguf,
 from . import report
 from .procs import REPO, CpuLedger, machine_info, versions
 from .suite import NOISY_CORES, Bench
-from .workload import Plan
+from .workload import SAMPLINGS, Plan
 
 log = structlog.get_logger("bench")
-SECTIONS = ("single", "sessions", "concurrency", "speculation", "kvstore")
+SECTIONS = (
+    "single",
+    "sessions",
+    "concurrency",
+    "long",
+    "speculation",
+    "llama_server",
+    "sampler",
+    "kvstore",
+)
+# Sections run after the engines of the others are gone (they start their own, or
+# time CPU work that the others' idle threads would disturb).
+AFTER_CLOSE = ("sampler", "kvstore")
 DOC = REPO / "docs" / "benchmarks.md"
 DOC_HEADER = """# Benchmarks
 
 `make bench` (or `python -m bench.run`) measures genai-grpc against onnxruntime-genai on the
 default model (SmolLM2-135M-Instruct) in one run and appends a section here; the raw numbers
 are in `bench/results/<timestamp>.json`. Absolute times depend on the machine and its load;
-the ratios are what to compare. `docs/design.md` explains the engine; issue 6 sets the targets.
+the ratios are what to compare. `docs/design.md` explains the engine; issues 6 and 14 set the
+targets. Every concurrency row runs greedy, sampled (temperature 0.7, top_p 0.9, top_k 50)
+and sampled with repetition_penalty 1.1 against og.Engine with the same settings; single
+streams greedy and sampled against og.Generator, plus one stream filling the model's
+8,192-token window; a table of CPU per generated token per process (from /proc). Options:
+`--quick` (smoke test), `--sections`, `--samplings greedy` (concurrency rows greedy only),
+`--llama-server PATH [--gguf PATH]` (adds llama.cpp's `llama-server` on the same GGUF;
+skipped without a binary). `python -m bench.history` tabulates the targets across runs.
 """
 
 
@@ -93,6 +116,14 @@ def kvstore_section(model_dir: str, reps: int, threads: int) -> dict:
     }
 
 
+def sampler_section() -> dict:
+    """The sampler microbenchmark (``bench/sampler_bench.py``), where that module exists."""
+    if importlib.util.find_spec(report.SAMPLER_MODULE) is None:
+        return {"skipped": f"no {report.SAMPLER_MODULE} in this checkout"}
+    result: dict = importlib.import_module(report.SAMPLER_MODULE).measure()
+    return result
+
+
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="1 rep, fewer lengths (smoke test)")
@@ -116,6 +147,20 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         default=2,
         help=f"reruns of a rep during which other work took > {NOISY_CORES} cores (fresh prompts)",
     )
+    p.add_argument(
+        "--samplings",
+        default=None,
+        help=f"comma-separated samplings of the concurrency rows, of {tuple(SAMPLINGS)} (all)",
+    )
+    p.add_argument(
+        "--llama-server",
+        default=None,
+        metavar="PATH",
+        help="a llama-server binary: adds its section (skipped without one)",
+    )
+    p.add_argument(
+        "--gguf", default=None, metavar="PATH", help="GGUF for llama-server (the default model's)"
+    )
     doc = p.add_mutually_exclusive_group()
     doc.add_argument("--doc", dest="doc", action="store_true", default=None)
     doc.add_argument("--no-doc", dest="doc", action="store_false")
@@ -126,10 +171,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     configure_logging("console")
     sections = tuple(s for s in args.sections.split(",") if s)
+    if args.llama_server and "llama_server" not in sections:
+        sections += ("llama_server",)  # a binary given is a section asked for
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         raise SystemExit(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
     plan = Plan.quick_plan(sections) if args.quick else Plan(sections=sections)
+    if args.samplings is not None:
+        chosen = tuple(x for x in args.samplings.split(",") if x)
+        if not chosen or set(chosen) - set(SAMPLINGS):
+            raise SystemExit(f"--samplings: choose from {tuple(SAMPLINGS)}")
+        plan = Plan(**{**asdict(plan), "concurrency_samplings": chosen})
     if args.reps is not None:
         if args.reps < 1:
             raise SystemExit("--reps must be >= 1")
@@ -169,12 +221,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         results["cold_start"] = bench.warmup()
         phases["warmup"] = ledger.lap()
         for section in SECTIONS:
-            if section in sections and section != "kvstore":
+            if section not in sections or section in AFTER_CLOSE:
+                continue
+            if section == "llama_server":
+                if not args.llama_server:
+                    results[section] = {"skipped": "no --llama-server binary given"}
+                    continue
+                gguf = args.gguf or str(default_gguf().path)
+                results[section] = bench.llama_server(args.llama_server, gguf)
+            else:
                 results[section] = getattr(bench, section)()
-                phases[section] = ledger.lap()
-                log.info("section done", section=section, **phases[section])
+            phases[section] = ledger.lap()
+            log.info("section done", section=section, **phases[section])
     finally:
         results["rss"] = bench.close()
+    if "sampler" in sections:
+        results["sampler"] = sampler_section()
+        phases["sampler"] = ledger.lap()
     if "kvstore" in sections:
         # After the other engines are gone: it starts engines of its own.
         results["kvstore"] = kvstore_section(str(model_dir), plan.reps, args.threads)

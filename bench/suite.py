@@ -8,11 +8,20 @@ work taking even half a core slows a 2-thread ONNX Runtime step several-fold
 more than ``NOISY_CORES`` is run again with fresh prompts (fresh, so that no
 prefix cache helps the retry), up to ``retries`` times and within a time
 budget; the least disturbed attempt is kept and flagged if still noisy.
+
+Samplings (``workload.SAMPLINGS``, issue 14): every concurrency row runs in
+each of ``plan.concurrency_samplings`` and the single streams in each of
+``plan.single_samplings``, a rep of each sampling right after the greedy one,
+each on prompts of its own. Each measured call also records the CPU seconds of
+the processes it used (``procs.ProcCpu``: our frontend, engine process and
+client; og's worker), reported per generated token.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,14 +33,23 @@ from genai_client import Client
 
 from .ortgenai import OgWorker
 from .ours import InProcessEngine, ServerProcess, server_concurrent, server_sessions, server_single
-from .procs import CpuLedger, wait_quiet
-from .workload import Plan, TokenSource, Workload, concurrency_stats, median, summarize
+from .procs import CpuLedger, ProcCpu, wait_quiet
+from .workload import (
+    SAMPLINGS,
+    Plan,
+    TokenSource,
+    Workload,
+    concurrency_stats,
+    median,
+    summarize,
+)
 
 log = structlog.get_logger("bench")
 SERVER = "genai-server (frontend + engine process)"
 NOISY_CORES = 0.1  # other work above this during a measurement makes it noisy
 SETTLE_S = 0.15  # pause between measurements (see Bench._timed)
 P = TypeVar("P")
+Calls = dict[str, tuple[Callable[..., Any], tuple, dict]]
 
 
 class Bench:
@@ -58,6 +76,7 @@ class Bench:
         self.retry_s = 0.0
         self.waited_s = 0.0
         self._turn = 0  # which engine goes first in the next rep (see _in_turn)
+        self._seeds = itertools.count(1)  # a seed per sampled request
         self.og: dict[str, OgWorker] = {}
         self.server: ServerProcess | None = None
         self.client: Client | None = None
@@ -108,12 +127,30 @@ class Bench:
 
     def _timed(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, float]:
         """``fn(*args, **kwargs)`` and the cores other work took meanwhile."""
+        result, foreign, _ = self._timed_cpu(fn, args, kwargs, {})
+        return result, foreign
+
+    def _timed_cpu(
+        self, fn: Callable[..., Any], args: tuple, kwargs: dict, groups: dict[str, list[int]]
+    ) -> tuple[Any, float, dict[str, float]]:
+        """``_timed``, plus the CPU seconds of each group of processes meanwhile."""
         # ONNX Runtime's threads spin for ~20-40 ms after a run; let the previous
         # engine's go quiet so they do not slow this one's first step.
         time.sleep(SETTLE_S)
         ledger = CpuLedger()
+        cpu = ProcCpu(groups)
         result = fn(*args, **kwargs)
-        return result, ledger.lap()["foreign_cores"]
+        return result, ledger.lap()["foreign_cores"], cpu.lap()
+
+    def _server_cpu(self) -> dict[str, list[int]]:
+        """The processes whose CPU a server call costs: frontend, engine, this
+        process (the client)."""
+        assert self.server is not None
+        return {**self.server.cpu_groups(), "client": [os.getpid()]}
+
+    def _og_cpu(self, worker: str) -> dict[str, list[int]]:
+        """An onnxruntime-genai worker's process (engine and client in one)."""
+        return {"og": [self.og[worker].proc.pid]}
 
     def _in_turn(self, calls: dict[str, Any]) -> list[tuple[str, Any]]:
         """The engines of one rep, in an order rotated from rep to rep.
@@ -128,14 +165,18 @@ class Bench:
         return items[k:] + items[:k]
 
     def _run_in_turn(
-        self, calls: dict[str, tuple[Callable[..., Any], tuple, dict]]
+        self, calls: Calls, cpu: dict[str, dict[str, list[int]]] | None = None
     ) -> tuple[dict[str, Any], float]:
         """The calls of one rep, timed, in turn (``_in_turn``): each result with
-        the cores other work took meanwhile, and the worst of those."""
+        the cores other work took meanwhile (and, for the calls named in ``cpu``,
+        the CPU seconds of those process groups: ``cpu_s``), and the worst of those."""
         out, worst = {}, 0.0
         for name, (fn, args, kwargs) in self._in_turn(calls):
-            result, foreign = self._timed(fn, *args, **kwargs)
+            groups = (cpu or {}).get(name, {})
+            result, foreign, cpu_s = self._timed_cpu(fn, args, kwargs, groups)
             out[name] = {**result, "foreign_cores": foreign}
+            if groups:
+                out[name]["cpu_s"] = cpu_s
             worst = max(worst, foreign)
         return out, worst
 
@@ -199,17 +240,36 @@ class Bench:
 
     # -- 1. single streams ---------------------------------------------------------------
 
+    def _sampling(self, name: str) -> dict | None:
+        """A sampling's request fields with a fresh per-request seed; None: greedy."""
+        sampling = SAMPLINGS[name]
+        return None if sampling.greedy else {**sampling.params(), "seed": next(self._seeds)}
+
     def single(self) -> dict:
+        """Greedy: in-process, server, og.Generator (share_buffer true and false);
+        each other sampling of ``plan.single_samplings``: server and og.Generator,
+        on prompts of its own (fresh, so the server's prefix cache never helps),
+        rep by rep after the greedy one."""
         new = self.plan.single_new_tokens
         engines = ["ours_inproc", "ours_server", "og_share_true", "og_share_false"]
+        sampled_engines = ["ours_server", "og_share_true", "og_share_false"]
+        sampled = [n for n in self.plan.single_samplings if n != "greedy"]
         probe_len = 512 if 512 in self.plan.single_lengths else self.plan.single_lengths[0]
         raw: dict[str, dict[str, list[dict]]] = {e: {} for e in [*engines, "og_all_logits"]}
+        raw_s: dict[str, dict[str, dict[str, list[dict]]]] = {
+            n: {e: {} for e in sampled_engines} for n in sampled
+        }
+        cpu = {
+            "ours_server": self._server_cpu(),
+            "og_share_true": self._og_cpu("og_share_true"),
+            "og_share_false": self._og_cpu("og_share_false"),
+        }
         for length, prompts in self.workload.single.items():
             key = str(length)
             probe = length == probe_len and "og_engine" in self.og
 
             def run(ids: list[int], probe: bool = probe) -> tuple[dict[str, Any], float]:
-                calls: dict[str, tuple[Callable[..., Any], tuple, dict]] = {
+                calls: Calls = {
                     "ours_inproc": (self.inproc.single, (ids, new), {}),
                     "ours_server": (server_single, (self._client, ids, new), {}),
                 }
@@ -221,7 +281,20 @@ class Bench:
                         ("single",),
                         {"ids": ids, "new_tokens": new},
                     )
-                return self._run_in_turn(calls)
+                return self._run_in_turn(calls, cpu)
+
+            def run_sampled(ids: list[int], name: str) -> tuple[dict[str, Any], float]:
+                params = self._sampling(name)
+                calls: Calls = {
+                    "ours_server": (server_single, (self._client, ids, new, params), {}),
+                }
+                for e in ("og_share_true", "og_share_false"):
+                    calls[e] = (
+                        self.og[e].call,
+                        ("single",),
+                        {"ids": ids, "new_tokens": new, "sampling": params},
+                    )
+                return self._run_in_turn(calls, cpu)
 
             for rep, ids in enumerate(prompts):
                 results = self._rep(
@@ -229,26 +302,40 @@ class Bench:
                 )
                 for name, result in results.items():
                     raw[name].setdefault(key, []).append(result)
+                for sname in sampled:
+                    results = self._rep(
+                        f"single {sname} {length} rep {rep}",
+                        self.source.take(length),
+                        lambda n=length: self.source.take(n),
+                        functools.partial(run_sampled, name=sname),
+                    )
+                    for name, result in results.items():
+                        raw_s[sname][name].setdefault(key, []).append(result)
                 log.info("single", length=length, rep=rep)
         keys = ("ttft_s", "decode_tok_s")
-        out: dict = {e: {k: summarize(v, keys) for k, v in raw[e].items()} for e in engines}
-        best: dict[str, dict] = {}
-        for k in out["og_share_true"]:
-            t, f = out["og_share_true"][k], out["og_share_false"][k]
-            best[k] = {
-                "ttft_s": min(t["ttft_s"], f["ttft_s"]),
-                "ttft_setting": "true" if t["ttft_s"] <= f["ttft_s"] else "false",
-                "decode_tok_s": max(t["decode_tok_s"], f["decode_tok_s"]),
-                "decode_setting": "true" if t["decode_tok_s"] >= f["decode_tok_s"] else "false",
-            }
-        out["og_best"] = best
+        out: dict = {e: {k: _summary(v, keys) for k, v in raw[e].items()} for e in engines}
+        out["og_best"] = _og_best(out["og_share_true"], out["og_share_false"])
         if raw["og_all_logits"]:
             out["og_all_logits_probe"] = {
                 "length": probe_len,
                 **summarize(raw["og_all_logits"][str(probe_len)], keys),
             }
         out["agreement"] = _agreement(raw)
+        out["samplings"] = {}
+        for sname, by_engine in raw_s.items():
+            o: dict[str, Any] = {
+                e: {k: _summary(v, keys) for k, v in r.items()} for e, r in by_engine.items()
+            }
+            o["og_best"] = _og_best(o["og_share_true"], o["og_share_false"])
+            o["label"] = SAMPLINGS[sname].label
+            out["samplings"][sname] = o
         cached = [r.get("cached_tokens", 0) for v in raw["ours_server"].values() for r in v]
+        cached += [
+            r.get("cached_tokens", 0)
+            for by_engine in raw_s.values()
+            for v in by_engine["ours_server"].values()
+            for r in v
+        ]
         if any(cached):
             self.notes.append(f"the server reused prefix KV in single-stream runs: {cached}")
         return out
@@ -308,43 +395,231 @@ class Bench:
     # -- 3. concurrency -----------------------------------------------------------------
 
     def concurrency(self) -> dict:
+        """Every (shape, streams) row in each sampling of ``plan.concurrency_samplings``:
+        greedy through the server, in-process and og.Engine; the others through the
+        server and og.Engine with the same settings (a seed per request), on prompts
+        of their own, rep by rep after the greedy one."""
         og = self.og["og_engine"]
+        cpu = {"ours": self._server_cpu(), "og": self._og_cpu("og_engine")}
+        samplings = self.plan.concurrency_samplings
         out: dict = {}
         for (prompt_len, new), levels in self.workload.concurrency.items():
             shape = f"{prompt_len}-token prompts + {new} new tokens"
             out[shape] = {}
 
-            def run(prompts: list[list[int]], new: int = new) -> tuple[dict[str, Any], float]:
-                calls: dict[str, tuple[Callable[..., Any], tuple, dict]] = {
-                    "ours": (server_concurrent, (self._target, prompts, new), {}),
-                    "ours_inproc": (self.inproc.concurrent, (prompts, new), {}),
-                    "og": (og.call, ("concurrent",), {"prompts": prompts, "new_tokens": new}),
-                }
-                out, worst = self._run_in_turn(calls)
+            def run(
+                prompts: list[list[int]], new: int = new, sampling: str = "greedy"
+            ) -> tuple[dict[str, Any], float]:
+                if sampling == "greedy":
+                    calls: Calls = {
+                        "ours": (server_concurrent, (self._target, prompts, new), {}),
+                        "ours_inproc": (self.inproc.concurrent, (prompts, new), {}),
+                        "og": (og.call, ("concurrent",), {"prompts": prompts, "new_tokens": new}),
+                    }
+                else:
+                    params = [self._sampling(sampling) for _ in prompts]
+                    calls = {
+                        "ours": (server_concurrent, (self._target, prompts, new, params), {}),
+                        "og": (
+                            og.call,
+                            ("concurrent",),
+                            {"prompts": prompts, "new_tokens": new, "sampling": params},
+                        ),
+                    }
+                out, worst = self._run_in_turn(calls, cpu)
                 stats = {
                     name: {
                         **concurrency_stats(r["submit"], r["streams"]),
                         "foreign_cores": r["foreign_cores"],
+                        **({"cpu_s": r["cpu_s"]} if "cpu_s" in r else {}),
                     }
                     for name, r in out.items()
                 }
                 return stats, worst
 
             for n, reps in levels.items():
-                sink: dict[str, list[dict]] = {"ours": [], "ours_inproc": [], "og": []}
+                sinks: dict[str, dict[str, list[dict]]] = {m: {} for m in samplings}
                 for rep, prompts in enumerate(reps):
-                    results = self._rep(
-                        f"concurrency {prompt_len}+{new} x{n} rep {rep}",
-                        prompts,
-                        lambda n=n, p=prompt_len: [self.source.take(p) for _ in range(n)],
-                        run,
-                    )
-                    for name, result in results.items():
-                        sink[name].append(result)
+                    for sampling in samplings:
+                        first = prompts if sampling == "greedy" else None
+                        results = self._rep(
+                            f"concurrency {prompt_len}+{new} x{n} {sampling} rep {rep}",
+                            first or [self.source.take(prompt_len) for _ in range(n)],
+                            lambda n=n, p=prompt_len: [self.source.take(p) for _ in range(n)],
+                            functools.partial(run, new=new, sampling=sampling),
+                        )
+                        for name, result in results.items():
+                            sinks[sampling].setdefault(name, []).append(result)
                     log.info("concurrency", shape=shape, streams=n, rep=rep)
                 keys = ("agg_tok_s", "ttft_p50_s", "ttft_p99_s")
-                out[shape][str(n)] = {name: summarize(v, keys) for name, v in sink.items()}
+                row: dict = {}
+                for sampling, sink in sinks.items():
+                    summary = {name: _summary(v, keys) for name, v in sink.items()}
+                    if sampling == "greedy":
+                        row.update(summary)  # the greedy figures stay where they always were
+                    else:
+                        row.setdefault("samplings", {})[sampling] = summary
+                out[shape][str(n)] = row
         return out
+
+    # -- 3b. the model's full window --------------------------------------------------------
+
+    def long(self) -> dict:
+        """One stream whose prompt + new tokens fill the model's context window,
+        through a server and an og.Generator of their own (the og worker's KV
+        sized to the window), so that the other rows' processes keep their peak
+        RSS and KV sizing; both peaks are reported here."""
+        plan = self.plan
+        new = plan.long_new_tokens
+        server = ServerProcess(self.model_dir, plan.threads)
+        client = Client(server.target)
+        worker: OgWorker | None = None
+        raw: dict[str, dict[str, list[dict]]] = {m: {} for m in plan.single_samplings}
+        rss: dict[str, dict] = {}
+        try:
+            worker = OgWorker(
+                "generator long context",
+                self.model_dir,
+                threads=plan.threads,
+                share_buffer=True,
+                max_length=plan.long_context,
+                engine=False,
+            )
+            cpu = {
+                "ours_server": {**server.cpu_groups(), "client": [os.getpid()]},
+                "og": {"og": [worker.proc.pid]},
+            }
+            server_single(client, self.workload.warmup, 8)
+            worker.call("single", ids=self.workload.warmup, new_tokens=8)
+
+            def run(ids: list[int], sampling: str) -> tuple[dict[str, Any], float]:
+                assert worker is not None
+                params = self._sampling(sampling)
+                calls: Calls = {
+                    "ours_server": (server_single, (client, ids, new, params), {}),
+                    "og": (
+                        worker.call,
+                        ("single",),
+                        {"ids": ids, "new_tokens": new, "sampling": params},
+                    ),
+                }
+                return self._run_in_turn(calls, cpu)
+
+            for rep, prompts in enumerate(self.workload.long):
+                for sampling, ids in prompts.items():
+                    results = self._rep(
+                        f"long {sampling} rep {rep}",
+                        ids,
+                        lambda: self.source.take(plan.long_prompt_tokens),
+                        functools.partial(run, sampling=sampling),
+                    )
+                    for name, result in results.items():
+                        raw[sampling].setdefault(name, []).append(result)
+                log.info("long", rep=rep)
+        finally:
+            client.close()
+            rss[SERVER] = server.stop()
+            if worker is not None:
+                rss[f"onnxruntime-genai {worker.name}"] = worker.stop()
+        keys = ("ttft_s", "decode_tok_s")
+        return {
+            "prompt_tokens": plan.long_prompt_tokens,
+            "new_tokens": new,
+            "samplings": {
+                m: {e: _summary(v, keys) for e, v in by_engine.items()}
+                for m, by_engine in raw.items()
+            },
+            "rss": rss,
+        }
+
+    # -- 3c. llama.cpp's llama-server (optional) -------------------------------------------
+
+    def llama_server(self, binary: str, gguf: str) -> dict:
+        """Single streams (``plan.llama_lengths``, each sampling of the single
+        streams) and the first concurrency shape at its most streams (each
+        sampling of the concurrency rows), through our server and a
+        ``llama-server`` on the same GGUF, in turn, rep by rep."""
+        from .llama import SLOTS, LlamaServer
+
+        plan = self.plan
+        new = plan.single_new_tokens
+        llama = LlamaServer(binary, gguf, plan.threads)
+        cpu = {"ours": self._server_cpu(), "llama": {"llama": [llama.proc.pid]}}
+        prompt_len, conc_new = plan.shapes[0]
+        streams = min(max(plan.concurrency), SLOTS)
+        single: dict[str, dict[str, dict[str, list[dict]]]] = {}
+        conc: dict[str, dict[str, list[dict]]] = {}
+        try:
+            llama.single(self.workload.warmup, 8)
+
+            def run_single(ids: list[int], sampling: str) -> tuple[dict[str, Any], float]:
+                params = self._sampling(sampling)
+                calls: Calls = {
+                    "ours": (server_single, (self._client, ids, new, params), {}),
+                    "llama": (llama.single, (ids, new, params), {}),
+                }
+                return self._run_in_turn(calls, cpu)
+
+            def run_conc(prompts: list[list[int]], sampling: str) -> tuple[dict[str, Any], float]:
+                params = [self._sampling(sampling) for _ in prompts]
+                calls: Calls = {
+                    "ours": (server_concurrent, (self._target, prompts, conc_new, params), {}),
+                    "llama": (llama.concurrent, (prompts, conc_new, params), {}),
+                }
+                out, worst = self._run_in_turn(calls, cpu)
+                return {
+                    name: {
+                        **concurrency_stats(r["submit"], r["streams"]),
+                        "foreign_cores": r["foreign_cores"],
+                        "cpu_s": r.get("cpu_s", {}),
+                    }
+                    for name, r in out.items()
+                }, worst
+
+            for rep in range(plan.reps):
+                for length in plan.llama_lengths:
+                    for sampling in plan.single_samplings:
+                        results = self._rep(
+                            f"llama-server single {length} {sampling} rep {rep}",
+                            self.source.take(length),
+                            lambda n=length: self.source.take(n),
+                            functools.partial(run_single, sampling=sampling),
+                        )
+                        for name, result in results.items():
+                            by = single.setdefault(sampling, {}).setdefault(name, {})
+                            by.setdefault(str(length), []).append(result)
+                for sampling in plan.concurrency_samplings:
+                    results = self._rep(
+                        f"llama-server {streams} streams {sampling} rep {rep}",
+                        [self.source.take(prompt_len) for _ in range(streams)],
+                        lambda: [self.source.take(prompt_len) for _ in range(streams)],
+                        functools.partial(run_conc, sampling=sampling),
+                    )
+                    for name, result in results.items():
+                        conc.setdefault(sampling, {}).setdefault(name, []).append(result)
+                log.info("llama-server", rep=rep)
+        finally:
+            rss = llama.stop()
+        keys = ("ttft_s", "decode_tok_s")
+        ckeys = ("agg_tok_s", "ttft_p50_s", "ttft_p99_s")
+        return {
+            "binary": binary,
+            "gguf": gguf,
+            "command": llama.cmd,
+            "single_new_tokens": new,
+            "single": {
+                m: {e: {k: _summary(v, keys) for k, v in r.items()} for e, r in by.items()}
+                for m, by in single.items()
+            },
+            "concurrency": {
+                "streams": streams,
+                "shape": f"{prompt_len}-token prompts + {conc_new} new tokens",
+                "samplings": {
+                    m: {e: _summary(v, ckeys) for e, v in by.items()} for m, by in conc.items()
+                },
+            },
+            "rss": rss,
+        }
 
     # -- 4. speculative decoding ---------------------------------------------------------------
 
@@ -463,3 +738,40 @@ def _per_turn(ours: list[list[dict]], og: list[list[dict]]) -> dict:
         "ours_raw": ours,
         "og_raw": og,
     }
+
+
+def _cpu_ms_per_token(reps: Sequence[dict]) -> dict[str, float]:
+    """Each process group's CPU milliseconds per generated token, pooled over the
+    reps (their CPU seconds over their tokens): utime and stime tick at 10 ms, so
+    a per-rep ratio of a 128-token stream would move in steps of ~0.08 ms."""
+    seconds: dict[str, float] = {}
+    tokens: dict[str, int] = {}
+    for r in reps:
+        for group, s in (r.get("cpu_s") or {}).items():
+            if r.get("tokens") and s == s:  # NaN: a process vanished meanwhile
+                seconds[group] = seconds.get(group, 0.0) + s
+                tokens[group] = tokens.get(group, 0) + int(r["tokens"])
+    return {g: 1000.0 * seconds[g] / tokens[g] for g in seconds}
+
+
+def _summary(reps: Sequence[dict], keys: Sequence[str]) -> dict:
+    """``summarize`` plus the CPU per token (``cpu_ms_per_token``) where measured."""
+    out = summarize(reps, keys)
+    cpu = _cpu_ms_per_token(reps)
+    if cpu:
+        out["cpu_ms_per_token"] = cpu
+    return out
+
+
+def _og_best(share_true: dict[str, dict], share_false: dict[str, dict]) -> dict[str, dict]:
+    """Per length, og.Generator's better TTFT and better decode of its two settings."""
+    best: dict[str, dict] = {}
+    for k in share_true:
+        t, f = share_true[k], share_false[k]
+        best[k] = {
+            "ttft_s": min(t["ttft_s"], f["ttft_s"]),
+            "ttft_setting": "true" if t["ttft_s"] <= f["ttft_s"] else "false",
+            "decode_tok_s": max(t["decode_tok_s"], f["decode_tok_s"]),
+            "decode_setting": "true" if t["decode_tok_s"] >= f["decode_tok_s"] else "false",
+        }
+    return best

@@ -76,7 +76,7 @@ def corpus_text(lines: int = 2400) -> str:
 class TokenSource:
     """Hands out fresh token-id prompts of exact lengths from one stream."""
 
-    def __init__(self, model_dir: str | Path, lines: int = 2400) -> None:
+    def __init__(self, model_dir: str | Path, lines: int = 6000) -> None:
         from tokenizers import Tokenizer  # the engine's own dependency
 
         tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
@@ -108,6 +108,51 @@ class TokenSource:
 
 
 @dataclass(frozen=True)
+class Sampling:
+    """One sampling setting, sent the same way to every engine (EOS ignored)."""
+
+    name: str
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return not self.temperature
+
+    @property
+    def label(self) -> str:
+        if self.greedy:
+            return "greedy"
+        parts = [f"temperature {self.temperature}"]
+        parts += [f"top_p {self.top_p}"] if self.top_p is not None else []
+        parts += [f"top_k {self.top_k}"] if self.top_k is not None else []
+        if self.repetition_penalty is not None:
+            parts.append(f"repetition_penalty {self.repetition_penalty}")
+        return ", ".join(parts)
+
+    def params(self) -> dict:
+        """The set fields, as ``genai_client`` keyword arguments (empty: greedy)."""
+        if self.greedy:
+            return {}
+        fields = ("temperature", "top_p", "top_k", "repetition_penalty")
+        return {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
+
+
+# What chat users send (issue 14): greedy, the common sampled setting, and the
+# same with a repetition penalty.
+SAMPLINGS = {
+    s.name: s
+    for s in (
+        Sampling("greedy"),
+        Sampling("sampled", temperature=0.7, top_p=0.9, top_k=50),
+        Sampling("sampled_rep", temperature=0.7, top_p=0.9, top_k=50, repetition_penalty=1.1),
+    )
+}
+
+
+@dataclass(frozen=True)
 class Plan:
     """What one run measures (the shape of every measurement)."""
 
@@ -122,6 +167,12 @@ class Plan:
     concurrency: tuple[int, ...] = (1, 2, 4, 8)
     shapes: tuple[tuple[int, int], ...] = ((64, 256), (512, 128))  # (prompt, new tokens)
     speculate: int = 4  # draft tokens of the speculating server (``speculation`` section)
+    # Samplings (keys of SAMPLINGS) of every concurrency row, and of the single streams.
+    concurrency_samplings: tuple[str, ...] = ("greedy", "sampled", "sampled_rep")
+    single_samplings: tuple[str, ...] = ("greedy", "sampled")
+    long_context: int = 8192  # ``long`` section: prompt + new tokens (the model's window)
+    long_new_tokens: int = 128
+    llama_lengths: tuple[int, ...] = (512,)  # ``llama_server`` section: single-stream prompts
     quick: bool = False
     sections: tuple[str, ...] = ("single", "sessions", "concurrency", "speculation")
 
@@ -136,6 +187,7 @@ class Plan:
             session_new_tokens=16,
             concurrency=(1, 4),
             shapes=((64, 64), (512, 32)),
+            long_new_tokens=16,
             quick=True,
             sections=sections,
         )
@@ -147,6 +199,10 @@ class Plan:
         session = self.session_turns * (self.session_new_prompt_tokens + self.session_new_tokens)
         shapes = max((p + n for p, n in self.shapes), default=0)
         return max(single, session, shapes)
+
+    @property
+    def long_prompt_tokens(self) -> int:
+        return self.long_context - self.long_new_tokens
 
 
 @dataclass
@@ -163,6 +219,8 @@ class Workload:
     )
     # task -> per rep: a chat prompt (see speculation_prompts)
     speculation: dict[str, list[list[int]]] = field(default_factory=dict)
+    # per rep: one prompt of Plan.long_prompt_tokens per sampling of the single streams
+    long: list[dict[str, list[int]]] = field(default_factory=list)
 
     @classmethod
     def build(cls, plan: Plan, source: TokenSource) -> Workload:
@@ -183,6 +241,11 @@ class Workload:
                 for n in plan.concurrency
             }
         w.speculation = speculation_prompts(source, plan.reps)
+        if "long" in plan.sections:
+            w.long = [
+                {s: source.take(plan.long_prompt_tokens) for s in plan.single_samplings}
+                for _ in range(plan.reps)
+            ]
         return w
 
 

@@ -3,13 +3,14 @@ reads ``*_pb2`` messages (the client surface never exposes protobuf)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC
 from typing import Any, TypedDict
 
 from google.protobuf import json_format
 
-from genai_client.errors import InternalError, error_for_number
+from genai_client.errors import InternalError, error_from_status
 from genai_client.types import (
     BidiEvent,
     ChatMessage,
@@ -53,6 +54,10 @@ class GenerateOptions(TypedDict, total=False):
     ``skip_special_tokens``, ``request_id`` (default: the server assigns one;
     ``bidi().start`` generates one), ``cache_salt`` (only requests with the
     same salt share reused prompt KV).
+
+    Structured output (at most one): ``json_schema`` (a JSON Schema, as a
+    mapping or JSON text), ``regex``, ``grammar`` (Lark, or GBNF), ``choice``
+    (the allowed answers), ``json_object`` (True: any JSON object).
     """
 
     token_ids: Sequence[int] | None
@@ -79,6 +84,11 @@ class GenerateOptions(TypedDict, total=False):
     skip_special_tokens: bool | None
     request_id: str | None
     cache_salt: str | None
+    json_schema: Mapping[str, Any] | str | None
+    regex: str | None
+    grammar: str | None
+    choice: Sequence[str] | None
+    json_object: bool | None
 
 
 _FINISH_PREFIX = "FINISH_REASON_"
@@ -141,6 +151,11 @@ def generate_request(
     skip_special_tokens: bool | None = None,
     request_id: str | None = None,
     cache_salt: str | None = None,
+    json_schema: Mapping[str, Any] | str | None = None,
+    regex: str | None = None,
+    grammar: str | None = None,
+    choice: Sequence[str] | None = None,
+    json_object: bool | None = None,
 ) -> generate_pb2.GenerateRequest:
     """Build a GenerateRequest; ``None`` leaves a field unset (server default)."""
     given = [
@@ -200,7 +215,47 @@ def generate_request(
         stopping.stop_token_ids.extend(stop_token_ids)
     if stopping.ListFields():
         request.stopping.CopyFrom(stopping)
+    constraint = constraint_proto(json_schema, regex, grammar, choice, json_object)
+    if constraint is not None:
+        request.constraint.CopyFrom(constraint)
     return request
+
+
+def constraint_proto(
+    json_schema: Mapping[str, Any] | str | None = None,
+    regex: str | None = None,
+    grammar: str | None = None,
+    choice: Sequence[str] | None = None,
+    json_object: bool | None = None,
+) -> generate_pb2.Constraint | None:
+    """The request's Constraint from the structured-output options (at most one)."""
+    given = {
+        name: value
+        for name, value in (
+            ("json_schema", json_schema),
+            ("regex", regex),
+            ("grammar", grammar),
+            ("choice", choice),
+            ("json_object", json_object or None),
+        )
+        if value is not None
+    }
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ValueError(f"give at most one constraint (got {', '.join(given)})")
+    if json_schema is not None:
+        text = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+        return generate_pb2.Constraint(json_schema=text)
+    if regex is not None:
+        return generate_pb2.Constraint(regex=regex)
+    if grammar is not None:
+        return generate_pb2.Constraint(grammar=grammar)
+    if choice is not None:
+        if isinstance(choice, str):
+            raise ValueError("choice: give a list of strings, not one string")
+        return generate_pb2.Constraint(choice=generate_pb2.Choice(choices=list(choice)))
+    return generate_pb2.Constraint(json_object=True)
 
 
 # --- generation results ------------------------------------------------------
@@ -352,8 +407,7 @@ def bidi_event(
     if kind == "final":
         return BidiEvent(request_id, result=result_from_final(response.final, "".join(parts)))
     if kind == "error":
-        error = error_for_number(response.error.code, response.error.message)
-        return BidiEvent(request_id, error=error)
+        return BidiEvent(request_id, error=error_from_status(response.error))
     return BidiEvent(request_id, error=InternalError(f"request {request_id}: empty event"))
 
 

@@ -56,7 +56,23 @@ _OPTION_KEYS = [flag[2:].replace("-", "_") for flag, _, _ in _VALUE_FLAGS] + [
     "priority",
     "add_special_tokens",
     "skip_special_tokens",
+    "json_schema",
+    "regex",
+    "grammar",
+    "choice",
+    "json_object",
 ]
+
+
+def _file_text(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {path!r}: {e.strerror}") from None
+
+
+def _choices(text: str) -> list[str]:
+    return text.split(",")
 
 
 def _int_list(text: str) -> list[int]:
@@ -113,6 +129,22 @@ def _generation_flags() -> argparse.ArgumentParser:
         action="store_const",
         const=False,
         help="keep special tokens in the generated text",
+    )
+    structured = parent.add_argument_group(
+        "structured output (at most one)"
+    ).add_mutually_exclusive_group()
+    structured.add_argument(
+        "--json-schema", type=_file_text, metavar="FILE", help="answer JSON valid under this schema"
+    )
+    structured.add_argument("--regex", metavar="RE", help="answer matching this regex")
+    structured.add_argument(
+        "--grammar", type=_file_text, metavar="FILE", help="answer in this Lark or GBNF grammar"
+    )
+    structured.add_argument(
+        "--choice", type=_choices, metavar="A,B,...", help="answer exactly one of these"
+    )
+    structured.add_argument(
+        "--json-object", action="store_const", const=True, help="answer any JSON object"
     )
     return parent
 

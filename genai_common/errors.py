@@ -6,6 +6,11 @@ interceptor) maps them to status codes. Engine code never imports grpc.
 
 from __future__ import annotations
 
+import re
+
+# A field path as messages name it: `stopping.stop_sequences[2]`, `messages[0].role`.
+_FIELD_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\[\d+\])*(\.[A-Za-z_][A-Za-z0-9_]*(\[\d+\])*)*")
+
 
 class GenAIError(Exception):
     """Base of every error the service reports to a client.
@@ -25,9 +30,22 @@ class GenAIError(Exception):
 
 
 class InvalidArgument(GenAIError):
-    """Bad parameter value, empty input, prompt over the context window, unknown enum."""
+    """Bad parameter value, empty input, prompt over the context window, unknown enum.
+
+    The message starts with the field it is about, then says what is wrong:
+    ``"sampling.temperature: -1 is below the minimum 0"``. ``field_violation``
+    splits it so that a client gets the field as data (google.rpc.BadRequest).
+    """
 
     code = "INVALID_ARGUMENT"
+
+    def field_violation(self) -> tuple[str, str]:
+        """``(field path, description)``; the field is ``""`` when the message
+        does not start with one."""
+        field, sep, description = self.message.partition(": ")
+        if sep and _FIELD_PATH.fullmatch(field):
+            return field, description
+        return "", self.message
 
 
 class NotFound(GenAIError):

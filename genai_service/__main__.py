@@ -75,6 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="seconds in-flight streams may run after SIGTERM",
     )
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        metavar="N",
+        default=ServerConfig.stream_interval,
+        help="coalesce up to N tokens per streamed message (a request's first token goes "
+        "out at once); fewer messages, less CPU per token, coarser streaming",
+    )
     g = p.add_argument_group("engine")
     g.add_argument(
         "--intra-op-threads",
@@ -155,6 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         default=LimitsConfig.max_new_tokens_limit,
         help="largest max_new_tokens a request may ask for",
+    )
+    g.add_argument(
+        "--max-constraint-bytes",
+        type=int,
+        metavar="N",
+        default=LimitsConfig.max_constraint_bytes,
+        help="largest structured-output constraint (schema, regex, grammar or choices), "
+        "in UTF-8 bytes",
     )
     g.add_argument(
         "--speculate",
@@ -411,6 +427,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         limits=LimitsConfig(
             default_max_new_tokens=args.default_max_new_tokens,
             max_new_tokens_limit=args.max_new_tokens_limit,
+            max_constraint_bytes=args.max_constraint_bytes,
         ),
         speculation=SpeculationConfig(
             num_tokens=args.speculate, max_batch=args.speculate_max_batch
@@ -429,6 +446,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         port=args.port,
         grace_period_s=args.grace_period_s,
         log_format=args.log_format,
+        stream_interval=args.stream_interval,
     )
 
 

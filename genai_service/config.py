@@ -175,6 +175,8 @@ class LimitsConfig:
     max_top_logprobs: int = 20
     max_time_limit_ms: int = 3_600_000
     max_cache_salt_chars: int = 256
+    # A Constraint's schema, pattern, grammar or choices, in UTF-8 bytes.
+    max_constraint_bytes: int = 65_536
 
     def __post_init__(self) -> None:
         for name in (
@@ -185,6 +187,7 @@ class LimitsConfig:
             "max_stop_token_ids",
             "max_time_limit_ms",
             "max_cache_salt_chars",
+            "max_constraint_bytes",
         ):
             _positive(name, getattr(self, name))
         if self.max_top_logprobs < 0:
@@ -287,6 +290,12 @@ class ServerConfig:
     tls_cert_file: str | None = None  # PEM; with tls_key_file, serve TLS
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = None  # PEM; require client certificates (mTLS)
+    # Tokens coalesced per streamed Delta (vLLM's --stream-interval): a request's
+    # first tokens go out at once, later ones once this many are pending (at most
+    # this many per Delta, unless one engine step alone made more), what is left
+    # with the request's end. 1: every engine step's tokens as they come
+    # (docs/design.md, "Processes and planes").
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -298,6 +307,7 @@ class ServerConfig:
         _positive("max_message_bytes", self.max_message_bytes)
         _positive("max_input_chars", self.max_input_chars)
         _positive("engine_start_timeout_s", self.engine_start_timeout_s)
+        _positive("stream_interval", self.stream_interval)
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):

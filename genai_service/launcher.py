@@ -28,7 +28,9 @@ from collections.abc import Mapping, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from genai_service.config import ServerConfig
 from kvstore.protocol import AUTH_TOKEN_ENV  # read by both children
+from kvstore.server import KvStoreConfig
 
 SAMPLE_PROMPT = "Name three primary colors."
 
@@ -99,10 +101,15 @@ def stop_all(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 30) ->
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="genai-stack", description=__doc__)
     p.add_argument("--model", default="default")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--kvstore-port", type=int, default=50052)
-    p.add_argument("--kvstore-memory-bytes", default="1GiB")
+    # Defaults are the servers' own (their config dataclasses), never restated.
+    p.add_argument("--host", default=ServerConfig.host)
+    p.add_argument("--port", type=int, default=ServerConfig.port)
+    p.add_argument("--kvstore-port", type=int, default=KvStoreConfig.port)
+    p.add_argument(
+        "--kvstore-memory-bytes",
+        default=None,
+        help="genai-kvstore --memory-bytes (default: genai-kvstore's own)",
+    )
     p.add_argument("--kvstore-disk-dir", default=None)
     p.add_argument("--prompt", default=SAMPLE_PROMPT)
     p.add_argument("--once", action="store_true", help="exit after the sample request")
@@ -121,8 +128,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.path.join(bin_dir, "genai-kvstore"),
         "--host", args.host,
         "--port", str(args.kvstore_port),
-        "--memory-bytes", args.kvstore_memory_bytes,
     ]  # fmt: skip
+    if args.kvstore_memory_bytes:
+        kv_cmd += ["--memory-bytes", args.kvstore_memory_bytes]
     if args.kvstore_disk_dir:
         kv_cmd += ["--disk-dir", args.kvstore_disk_dir]
     key_dir = tempfile.mkdtemp(prefix="genai-stack-")  # mode 0700; removed at exit

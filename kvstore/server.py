@@ -24,7 +24,7 @@ from genai_common.credentials import server_credentials
 from genai_common.decoding import TolerantDecoding, Undecodable
 from genai_common.errors import DataLoss, GenAIError, InvalidArgument, NotFound
 from genai_common.reflection import enable_reflection
-from genai_common.status import status_code
+from genai_common.status import abort
 from genai_proto.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvstore.checksum import DIGEST_SIZES
 from kvstore.checksum import hasher as new_hasher
@@ -101,7 +101,7 @@ async def _abort_for(exc: BaseException, rpc: str, context: grpc.aio.ServicerCon
         # Misses are routine on a cache; refusals that point at a bug are not.
         level = logging.DEBUG if exc.code == "NOT_FOUND" else logging.WARNING
         log.log(level, "kvstore rpc refused", rpc=rpc, code=exc.code, reason=exc.message)
-        await context.abort(status_code(exc), exc.message)
+        await abort(context, exc)
     log.exception("kvstore rpc failed", rpc=rpc)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {rpc}")
 

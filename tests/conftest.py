@@ -30,6 +30,20 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def bytes_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The "bytes" tokenizer (one token per byte, which llguidance can read), 512
+    positions; plain attention and GQA (the shared-buffer runner)."""
+    specs = {
+        "rope": TinyModelSpec(tokenizer="bytes", max_seq_len=512),
+        "gqa": dataclasses.replace(GQA_SPEC, tokenizer="bytes", max_seq_len=512),
+    }
+    return {
+        name: build_tiny_model(tmp_path_factory.mktemp(f"bytes-{name}"), s)
+        for name, s in specs.items()
+    }
+
+
+@pytest.fixture(scope="session")
 def short_context_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """max_sequence_length 16, declared in inference_metadata.yaml."""
     spec = TinyModelSpec(max_seq_len=16, config="inference_metadata")

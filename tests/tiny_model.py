@@ -31,8 +31,8 @@ import onnx
 import onnxruntime as ort
 import yaml
 from onnx import TensorProto, helper, numpy_helper
-from tokenizers import AddedToken, Tokenizer, pre_tokenizers, processors
-from tokenizers.models import WordLevel
+from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers.models import BPE, WordLevel
 
 UNK_TOKEN = "<unk>"
 BOS_TOKEN = "<s>"
@@ -60,6 +60,24 @@ _PLAIN_WORDS = [
 WORDS: list[str] = SPECIAL_TOKENS + _PLAIN_WORDS
 VOCAB_SIZE: int = len(WORDS)
 WORD_TO_ID: dict[str, int] = {w: i for i, w in enumerate(WORDS)}
+
+# The "bytes" tokenizer (TinyModelSpec.tokenizer): the same three special
+# tokens, then token 3 + b for byte b (byte-level BPE without merges), so any
+# text round-trips and llguidance can read it.
+BYTE_VOCAB_SIZE: int = len(SPECIAL_TOKENS) + 256
+
+
+def _byte_chars() -> list[str]:
+    """The character byte-level BPE spells byte b with, indexed by b: printable
+    Latin-1 bytes stand for themselves, the others for code points from 256 up."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
 
 OPSET = 17
 MS_DOMAIN = "com.microsoft"
@@ -94,6 +112,11 @@ class TinyModelSpec:
     chat_template: bool = True  # write tokenizer_config.json with CHAT_TEMPLATE
     intermediate: int = 64  # SwiGLU inner size
     add_bos: bool = False  # tokenizer.json post-processor prepends <s> when add_special_tokens
+    tokenizer: str = "words"  # "words" (WORDS, WordLevel) | "bytes" (one token per byte)
+
+    @property
+    def vocab_size(self) -> int:
+        return VOCAB_SIZE if self.tokenizer == "words" else BYTE_VOCAB_SIZE
 
     def __post_init__(self) -> None:
         if self.hidden != self.num_heads * self.head_dim:
@@ -120,6 +143,8 @@ class TinyModelSpec:
             raise ValueError(
                 f"head_dim={self.head_dim}: attention='gqa' with rope needs a multiple of 16"
             )
+        if self.tokenizer not in ("words", "bytes"):
+            raise ValueError(f"tokenizer={self.tokenizer!r}, allowed: 'words', 'bytes'")
         if self.num_layers < 1 or self.max_seq_len < 2:
             raise ValueError("num_layers must be >= 1 and max_seq_len >= 2")
 
@@ -144,10 +169,22 @@ def decode_ids(ids: list[int]) -> str:
     return " ".join(WORDS[i] for i in ids if i >= len(SPECIAL_TOKENS))
 
 
-def _tokenizer_json(add_bos: bool) -> str:
-    tok = Tokenizer(WordLevel(vocab=dict(WORD_TO_ID), unk_token=UNK_TOKEN))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    # No decoder: tokenizers then joins decoded tokens with single spaces ("the cat sat").
+def encode_bytes(text: str) -> list[int]:
+    """Token ids of ``text`` under the "bytes" tokenizer: one per UTF-8 byte."""
+    return [len(SPECIAL_TOKENS) + b for b in text.encode()]
+
+
+def _tokenizer_json(add_bos: bool, kind: str = "words") -> str:
+    if kind == "bytes":
+        vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+        vocab.update({c: len(SPECIAL_TOKENS) + i for i, c in enumerate(_byte_chars())})
+        tok = Tokenizer(BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+    else:
+        tok = Tokenizer(WordLevel(vocab=dict(WORD_TO_ID), unk_token=UNK_TOKEN))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # "words" has no decoder: tokenizers then joins decoded tokens with single spaces.
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     if add_bos:
         tok.post_processor = processors.TemplateProcessing(
@@ -172,7 +209,7 @@ def _weights(spec: TinyModelSpec) -> dict[str, np.ndarray]:
         return (rng.standard_normal((rows, cols)) * s).astype(np.float32)
 
     w: dict[str, np.ndarray] = {
-        "embed": rng.standard_normal((VOCAB_SIZE, h)).astype(np.float32),
+        "embed": rng.standard_normal((spec.vocab_size, h)).astype(np.float32),
         "pos_embed": (rng.standard_normal((spec.max_seq_len, h)) * 0.5).astype(np.float32),
     }
     for i in range(spec.num_layers):
@@ -186,7 +223,7 @@ def _weights(spec: TinyModelSpec) -> dict[str, np.ndarray]:
         w[f"l{i}.w_up"] = mat(h, spec.intermediate)
         w[f"l{i}.w_down"] = mat(spec.intermediate, h)
     w["final_norm"] = (1.0 + 0.1 * rng.standard_normal(h)).astype(np.float32)
-    w["lm_head"] = mat(h, VOCAB_SIZE)
+    w["lm_head"] = mat(h, spec.vocab_size)
     # <unk> and <s> get logit exactly 0, far below the top word: greedy never emits them.
     w["lm_head"][:, [UNK_ID, BOS_ID]] = 0.0
     # RoPE tables, rotate-half convention: angle[p, i] = p * theta^(-2i/d), i < d/2.
@@ -323,7 +360,7 @@ def _io(spec: TinyModelSpec) -> tuple[list[onnx.ValueInfoProto], list[onnx.Value
     if not (spec.attention == "gqa" and spec.positions == "rope"):
         # GQA rotates internally (positions from seqlens_k): no position_ids input then
         inputs.append(vi("position_ids", i64, [b, s]))
-    outputs = [vi("logits", f32, [b, s, VOCAB_SIZE])]
+    outputs = [vi("logits", f32, [b, s, spec.vocab_size])]
     kv, d = spec.num_kv_heads, spec.head_dim
     for i in range(spec.num_layers):
         for kind in ("key", "value"):
@@ -453,7 +490,7 @@ def _genai_config(spec: TinyModelSpec) -> dict:
             "eos_token_id": EOS_ID,
             "pad_token_id": PAD_ID,
             "type": "llama",
-            "vocab_size": VOCAB_SIZE,
+            "vocab_size": spec.vocab_size,
         },
         "search": {
             "diversity_penalty": 0.0,
@@ -482,7 +519,7 @@ def _inference_metadata(spec: TinyModelSpec) -> dict:
     meta["model"] = {
         "architecture": "llama",
         "max_sequence_length": spec.max_seq_len,
-        "vocab_size": VOCAB_SIZE,
+        "vocab_size": spec.vocab_size,
         "num_layers": spec.num_layers,
         "hidden_size": spec.hidden,
         "bos_token_id": BOS_ID,
@@ -512,7 +549,8 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec())
     out.mkdir(parents=True, exist_ok=True)
     model = _build_graph(spec)
     (out / "model.onnx").write_bytes(model.SerializeToString(deterministic=True))
-    (out / "tokenizer.json").write_text(_tokenizer_json(spec.add_bos), encoding="utf-8")
+    tokenizer = _tokenizer_json(spec.add_bos, spec.tokenizer)
+    (out / "tokenizer.json").write_text(tokenizer, encoding="utf-8")
     if spec.config == "genai_config":
         text = json.dumps(_genai_config(spec), indent=2) + "\n"
         (out / "genai_config.json").write_text(text, encoding="utf-8")

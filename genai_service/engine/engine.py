@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -23,6 +24,7 @@ import structlog
 from genai_common.errors import GenAIError, Internal, InvalidArgument, ResourceExhausted
 
 from ..config import EngineConfig
+from .constraints import Guidance
 from .kv_chunk_store import KvChunkStore
 from .kv_reuse import KvReuse
 from .model_dir import ModelSpec, load_model_spec
@@ -63,6 +65,7 @@ class _Computed:
     plain: list[tuple[Sequence, int]]
     logits: np.ndarray | None = None
     verified: list[tuple[Sequence, list[int], np.ndarray]] = field(default_factory=list)
+    masks: Future[dict[int, np.ndarray]] | None = None  # constrained rows' masks, by seq_id
 
 
 def _step_item(seq: Sequence, tokens: list[int] | tuple[int, ...]) -> StepItem:
@@ -131,8 +134,14 @@ class LLMEngine:
         # Session turns waiting for their record (``_pending`` is swapped each step).
         self._parked = ParkedRequests(lambda out: self._pending.append(out))
         self.last_step_idle = False  # the last step computed nothing (waiting on I/O)
+        self.guidance = Guidance(
+            self.tokenizer.inner,
+            self.vocab_size,
+            self.spec.eos_token_ids,
+            max_constraint_bytes=config.limits.max_constraint_bytes,
+        )
         self.token_text = self.tokenizer.token_text  # token id -> its text (stop tokens, logprobs)
-        self.picker = TokenPicker(self.spec.sampling_defaults, self.token_text)
+        self.picker = TokenPicker(self.spec.sampling_defaults, self.token_text, self.guidance)
         self.speculation = (
             Speculation(config.speculation, self.runner, self.counters)
             if config.speculation.num_tokens
@@ -190,6 +199,8 @@ class LLMEngine:
             history_len=len(history),
             limits=self.config.limits,
         )
+        # The turn's own constraint; the history never passes through it.
+        matcher = self.guidance.matcher(request.constraint) if request.constraint else None
         if session is not None:
             self.sessions.begin_turn(session.session_id, request.request_id)
         try:
@@ -201,6 +212,7 @@ class LLMEngine:
                 eos_token_ids=self.spec.eos_token_ids,
                 max_new_tokens=resolve_max_new_tokens(request, self.config.limits),
             )
+            seq.matcher = matcher
             self.scheduler.add(seq)
             self.kv_reuse.start_prefetch(seq)
         except GenAIError:
@@ -232,6 +244,7 @@ class LLMEngine:
         """Share finished sequences' chunks, then release background resources
         (the kvstore connector, after its pushes have gone out)."""
         self.flush_finished()
+        self.guidance.close()
         if self.remote is not None:
             self.remote.flush(self._kvstore_timeout_s)
             self.remote.close()
@@ -348,6 +361,14 @@ class LLMEngine:
             _step_item(seq, seq.token_ids[seq.num_computed : seq.num_computed + n])
             for seq, n in plain
         ]
+        # Masks of the rows that pick a token after this step, filled meanwhile.
+        masks = self.guidance.start_step(
+            [
+                s
+                for s, n in plain
+                if s.status is SeqStatus.RUNNING and s.num_computed + n == len(s.token_ids)
+            ]
+        )
         try:
             verified = [
                 # The last token and the draft, in one step: [len(draft) + 1, vocab] logits.
@@ -363,7 +384,7 @@ class LLMEngine:
             return _Computed([])
         self.counters["steps"] += 1
         self.counters["computed_tokens"] += batch.num_tokens + sum(map(len, drafts.values()))
-        return _Computed(plain, logits, verified)
+        return _Computed(plain, logits, verified, masks)
 
     def _postprocess(self, computed: _Computed) -> list[RequestOutput]:
         """Pick the next tokens from what ``_run`` computed and append them."""
@@ -389,13 +410,16 @@ class LLMEngine:
         logits = computed.logits
         if len(to_sample) < len(logits):
             logits = logits[to_sample]  # a copy: only when some rows are not sampled
-        picks = self.picker.pick(seqs, logits)
+        masks = computed.masks.result() if computed.masks is not None else None
+        picks = self.picker.pick(seqs, logits, masks)
         outputs.extend(self._append_token(seq, *p) for seq, p in zip(seqs, picks, strict=True))
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> RequestOutput:
         """Append a picked token; apply the stop rules; the token's output."""
-        text, finish = seq.append(token, self.context_length, self.token_text)
+        text, finish = seq.append(
+            token, self.context_length, self.token_text, self.guidance.consume
+        )
         delta = RequestOutput(seq.request_id, (token,), text, (lp,) if lp else ())
         if finish is None:
             return delta

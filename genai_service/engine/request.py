@@ -64,6 +64,17 @@ class StoppingCriteria:
 
 
 @dataclass(frozen=True)
+class Constraint:
+    """Structured output (engine/constraints.py): ``kind`` is one of
+    ``json_schema``, ``regex``, ``grammar`` (``value`` holds the text),
+    ``choice`` (``choices``) or ``json_object``."""
+
+    kind: str
+    value: str = ""
+    choices: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """One generation: a tokenized prompt plus how to sample and when to stop.
 
@@ -82,6 +93,7 @@ class GenerationRequest:
     principal: str = ""  # who asked (authenticated caller); owns the sessions it creates
     # Only requests with the same salt (and scope) share reused prefixes; None: no salt.
     cache_salt: str | None = None
+    constraint: Constraint | None = None  # structured output for this request (turn) only
 
 
 @dataclass(frozen=True)

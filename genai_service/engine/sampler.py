@@ -3,7 +3,10 @@
 ``prepare(rows)`` turns each running sequence's parameters and history into
 batched arrays; ``sample(logits, args)`` then applies, in order:
 
-1. banned ids (logit -> -inf),
+0. a structured-output mask (``SamplingRow.allowed``; every token it does
+   not allow -> -inf),
+1. banned ids (logit -> -inf; dropped for a masked row whose mask allows
+   only banned tokens: the constraint wins, e.g. EOS before min_new_tokens),
 2. repetition penalty over prompt + output tokens (HF/CTRL rule: a positive
    logit is divided by the penalty, a non-positive one multiplied),
 3. frequency penalty (``f * count`` in the output) and presence penalty
@@ -20,6 +23,13 @@ own logits, parameters and generator, never on the other rows of the batch.
 
 Logprobs are always those of the raw model distribution (log-softmax of the
 unprocessed logits), whatever penalties or temperature were used to sample.
+
+Cost: a row with a cut-off (top-k, min-p) is reduced to its few kept tokens by
+a couple of compares over the vocabulary and handled as a list from then on;
+only rows that nothing truncates exponentiate the whole vocabulary. The
+per-token arithmetic is the dense one (same float32 operations, block masses
+summed over the same blocks), so both forms draw the same tokens;
+``tests/unit/test_sampler_golden.py`` holds the draws fixed.
 """
 
 from __future__ import annotations
@@ -31,11 +41,13 @@ import numpy as np
 
 from genai_service.engine.request import SamplingParams
 
-# Top-p first looks for the nucleus among this many most likely tokens (an
-# O(V) partition); only rows whose nucleus is larger pay for a full sort.
-NUCLEUS_CANDIDATES = 1024
+# A top-k row's k-th largest logit is bounded from below by the maxima of this
+# many strided groups of its tokens (at least 4 k groups).
+_KTH_GROUPS = 1024
 # Tokens per block of the two-level inverse-CDF draw (about sqrt(vocab)).
 _DRAW_BLOCK = 256
+_NO_IDS = np.zeros(0, dtype=np.int64)
+_NO_VALS = np.zeros(0, dtype=np.float32)
 
 
 @dataclass
@@ -49,6 +61,7 @@ class SamplingRow:
     top_logprobs: int = 0  # how many raw-distribution alternatives to return
     banned_token_ids: Sequence[int] = ()  # forced to -inf (e.g. EOS before min_new_tokens)
     want_logprobs: bool = False  # return the chosen token's raw logprob
+    allowed: np.ndarray | None = None  # [V] bool: the only tokens a constraint allows
 
 
 @dataclass
@@ -101,6 +114,8 @@ class SamplingArgs:
     banned: SparseEdit = field(default_factory=SparseEdit)  # values unused
     repetition: SparseEdit = field(default_factory=SparseEdit)  # values: the penalty
     additive: SparseEdit = field(default_factory=SparseEdit)  # values: f * count + p
+    allowed_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [A]
+    allowed: np.ndarray | None = None  # [A, V] bool, the masks of allowed_rows
 
     @property
     def batch_size(self) -> int:
@@ -140,6 +155,7 @@ def prepare(rows: Sequence[SamplingRow]) -> SamplingArgs:
     banned: list[tuple[int, np.ndarray, np.ndarray]] = []
     repetition: list[tuple[int, np.ndarray, np.ndarray]] = []
     additive: list[tuple[int, np.ndarray, np.ndarray]] = []
+    masked: list[int] = []
     for i, row in enumerate(rows):
         p = row.params
         if not p.greedy:
@@ -160,6 +176,8 @@ def prepare(rows: Sequence[SamplingRow]) -> SamplingArgs:
             # Duplicates are harmless here: every copy writes the same value.
             seen = np.concatenate([_ids(row.prompt_token_ids), _ids(row.output_token_ids)])
             repetition.append((i, seen, np.full(seen.size, rep, dtype=np.float32)))
+        if row.allowed is not None:
+            masked.append(i)
         freq = p.frequency_penalty or 0.0
         pres = p.presence_penalty or 0.0
         if (freq or pres) and len(row.output_token_ids):
@@ -176,6 +194,8 @@ def prepare(rows: Sequence[SamplingRow]) -> SamplingArgs:
         banned=SparseEdit.build(banned),
         repetition=SparseEdit.build(repetition),
         additive=SparseEdit.build(additive),
+        allowed_rows=np.asarray(masked, dtype=np.int64),
+        allowed=np.stack([rows[i].allowed for i in masked]) if masked else None,  # type: ignore[misc]
     )
 
 
@@ -185,13 +205,24 @@ def penalize(logits: np.ndarray, args: SamplingArgs) -> np.ndarray:
     Returns ``logits`` itself (unchanged) when no row needs any of them,
     otherwise a new [B, V] float32 array.
     """
-    if not (len(args.banned) or len(args.repetition) or len(args.additive)):
+    if not (len(args.banned) or len(args.repetition) or len(args.additive)) and (
+        args.allowed is None
+    ):
         return logits
     x = np.array(logits, dtype=np.float32)  # [B, V] copy: the caller's array stays intact
     v = x.shape[1]
+    masked = args.allowed_rows
+    if args.allowed is not None:
+        allowed = args.allowed[:, :v]
+        x[masked] = np.where(allowed, x[masked], -np.inf)
     if len(args.banned):
         r, c, _ = args.banned.within(v)
         x[r, c] = -np.inf
+        if args.allowed is not None:
+            # A mask that allows only banned tokens wins over the ban.
+            dead = ~np.isfinite(x[masked]).any(axis=1)
+            for j in np.flatnonzero(dead):
+                x[masked[j]] = np.where(allowed[j], logits[masked[j]], -np.inf)
     if len(args.repetition):
         r, c, pen = args.repetition.within(v)
         cur = x[r, c]
@@ -228,16 +259,26 @@ def sample(logits: np.ndarray, args: SamplingArgs) -> SampleOutput:
 
 
 def _sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingArgs) -> np.ndarray:
-    """Temperature, min-p, top-k, top-p and one draw for the non-greedy rows ``s``."""
-    n, v = s.size, x.shape[1]
-    xs = x[s]  # [S, V] copy
-    xs /= args.temperature[s, None]
-    m = xs.max(axis=1)  # [S]
-    dead = ~np.isfinite(m)  # everything masked: fall back to the raw argmax
-    m[dead] = 0.0
+    """Temperature, min-p, top-k, top-p and one draw for the non-greedy rows ``s``.
 
-    # Lowest logit each row keeps. Min-p and top-k both keep "the highest
-    # values", so they commute and combine into one floor.
+    A row with a cut-off (top-k or min-p) is reduced to its kept tokens with a
+    couple of O(V) passes (a max, a compare); everything after that works on
+    that short candidate list. Only rows that nothing truncates before top-p
+    exponentiate the whole vocabulary (top-p needs their total mass). The
+    arithmetic is per token exactly that of a dense [S, V] pass: the same
+    float32 operations on each kept token and the per-block masses summed over
+    the same 256-token blocks, with zeros for the dropped tokens, so the draws
+    are the same bit for bit whichever form a row takes.
+    """
+    n, v = s.size, x.shape[1]
+    xs = _rows(x, s)  # [S, V]; a view when every row samples, so read only
+    t = args.temperature[s]  # [S] float32, > 0
+    m = xs.max(axis=1) / t  # == max(xs / t): dividing by t > 0 keeps the order
+    live = np.isfinite(m)  # else everything masked (or NaN/inf): raw argmax
+    m[~live] = 0.0
+
+    # Lowest (temperature-scaled) logit each row keeps. Min-p and top-k both
+    # keep "the highest values", so they commute and combine into one floor.
     floor = np.full(n, -np.inf, dtype=np.float32)
     min_p = args.min_p[s]
     mp = min_p > 0
@@ -245,89 +286,302 @@ def _sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingAr
         # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p)
         floor[mp] = m[mp] + np.log(min_p[mp])
     k = args.top_k[s]
-    kr = np.flatnonzero((k > 0) & (k < v))
+    kr = np.flatnonzero((k > 0) & (k < v) & live)
+    survivors = None
     if kr.size:
-        kmax = int(k[kr].max())
-        top = np.partition(xs[kr], v - kmax, axis=1)[:, v - kmax :]  # [K, kmax] largest, unsorted
-        top.sort(axis=1)
-        kth = top[np.arange(kr.size), kmax - k[kr]]  # k-th largest value per row
-        floor[kr] = np.maximum(floor[kr], kth)
-    # (Masks are applied by multiplying: boolean assignment is several times
-    # slower on a vocabulary-sized row.)
-    keep = xs >= floor[:, None] if np.isfinite(floor).any() else None  # [S, V]
+        kth, rr, cc, vals = _kth_largest(_rows(xs, kr), k[kr])
+        floor[kr] = np.maximum(floor[kr], kth / t[kr])  # the k-th largest of xs / t
+        survivors = (kr[rr], cc, vals)
 
-    e = xs  # reuse the buffer: unnormalised probabilities exp(x - max), [S, V]
-    e -= m[:, None]
-    np.exp(e, out=e)
-    if keep is not None:
-        e *= keep
+    # Candidate lists (row, token, e) in row-then-token order for the rows
+    # with a finite floor; top-k rows take them from the survivors of their
+    # k-th-largest search, min-p-only rows from one compare.
+    cut = np.isfinite(floor) & live
+    rows_c = cols_c = _NO_IDS
+    e_c = _NO_VALS
+    if cut.any():
+        rows_c, cols_c, e_c = _candidates(xs, t, m, floor, cut, kr, survivors)
 
     # Mass per block of _DRAW_BLOCK tokens and its running total, [S, nb]:
     # the top-p target and the first level of the draw. (Every reduction here
     # is confined to one row, so a row's result never depends on the batch.)
-    starts = np.arange(0, v, _DRAW_BLOCK)
-    blocks = np.add.reduceat(e, starts, axis=1)  # float32
-    cum = np.cumsum(blocks, axis=1, dtype=np.float64)
+    nb = -(-v // _DRAW_BLOCK)
+    blocks = np.zeros((n, nb), dtype=np.float32)
+    dn = np.flatnonzero(live & ~cut)  # rows with nothing cut: the whole vocabulary
+    dense_of = np.full(n, -1, dtype=np.int64)  # row -> its row of ``ed``
+    dense_of[dn] = np.arange(dn.size)
+    padded = np.zeros((dn.size, nb * _DRAW_BLOCK), dtype=np.float32)  # [D, nb * 256]
+    ed = padded[:, :v]  # [D, V]; the padding stays 0
+    if dn.size:
+        np.divide(_rows(xs, dn), t[dn, None], out=ed)
+        ed -= m[dn, None]
+        np.exp(ed, out=ed)
+        blocks[dn] = np.add.reduceat(ed, np.arange(0, v, _DRAW_BLOCK), axis=1)
+    _set_block_sums(blocks, rows_c, cols_c, e_c, v)
+    cum = np.zeros((n, nb + 1))  # cum[:, j + 1]: mass of blocks 0..j, float64
+    np.cumsum(blocks, axis=1, dtype=np.float64, out=cum[:, 1:])
 
     # Top-p on the distribution renormalised after min-p and top-k.
-    pr = np.flatnonzero((args.top_p[s] < 1.0) & ~dead)
-    if pr.size:
-        ep = e if pr.size == n else e[pr]  # [P, V]
-        ep *= ep >= _nucleus_floor(ep, args.top_p[s[pr]] * cum[pr, -1])[:, None]
-        if pr.size < n:
-            e[pr] = ep
-        blocks[pr] = np.add.reduceat(ep, starts, axis=1)
-        cum[pr] = np.cumsum(blocks[pr], axis=1, dtype=np.float64)
+    top_p = args.top_p[s]
+    pr = (top_p < 1.0) & live
+    if pr.any():
+        target = top_p * cum[:, -1]
+        on = pr[rows_c]
+        pfloor, _ = _nucleus(rows_c[on], e_c[on], target, n)  # 0 where not cut
+        on = e_c >= pfloor[rows_c]
+        parts = [(rows_c[on], cols_c[on], e_c[on])]
+        dp = np.flatnonzero(pr[dn])  # dense top-p rows, positions in ``dn``
+        if dp.size:
+            parts.append(_dense_nucleus(_rows(ed, dp), dn[dp], cum[dn[dp], -1], top_p[dn[dp]]))
+            dense_of[parts[-1][0]] = -1  # now candidate lists
+        if dp.size or not on.all():
+            rows_c, cols_c, e_c = _concat_rows(parts)
+            changed = np.flatnonzero(pr & (dense_of < 0))
+            blocks[changed] = 0.0
+            _set_block_sums(blocks, rows_c, cols_c, e_c, v)
+            cum[changed, 1:] = np.cumsum(blocks[changed], axis=1, dtype=np.float64)
 
     # Inverse CDF in token-id order with one uniform per row, in two levels
     # (block, then token within it) to avoid a cumsum over the vocabulary.
-    out = np.empty(n, dtype=np.int64)
-    for i in range(n):
-        u = args.rngs[s[i]].random()  # exactly one draw per non-greedy row per step
-        j = -1 if dead[i] else _draw(e[i], blocks[i], cum[i], u)
-        # j < 0: nothing left to draw from (all banned, min_p > 1, ...)
-        out[i] = j if j >= 0 else raw[s[i]].argmax()
+    u = np.array([args.rngs[i].random() for i in s])  # exactly one per row per step
+    total = cum[:, -1]
+    ok = live & (total > 0)  # else nothing left to draw from (all banned, min_p > 1, ...)
+    goal = u * total
+    at = np.arange(n)
+    b = np.minimum(np.count_nonzero(cum[:, 1:] <= goal[:, None], axis=1), nb - 1)
+    empty = blocks[at, b] <= 0
+    if empty.any():  # rounding at the very top: step back to the last block with mass
+        last = np.maximum.accumulate(np.where(blocks > 0, np.arange(nb), -1), axis=1)
+        b[empty] = np.maximum(last[empty, b[empty]], 0)
+    goal -= cum[at, b]
+    # Each row's chosen block [S, 256], then the token within it.
+    part = np.zeros((n, _DRAW_BLOCK), dtype=np.float32)
+    dense = dn[dense_of[dn] >= 0]  # (top-p turned the others into lists)
+    if dense.size:
+        part[dense] = padded.reshape(dn.size, nb, _DRAW_BLOCK)[dense_of[dense], b[dense]]
+    if rows_c.size:
+        on = cols_c // _DRAW_BLOCK == b[rows_c]  # (no listed row is dense)
+        part[rows_c[on], cols_c[on] % _DRAW_BLOCK] = e_c[on]
+    inner = np.cumsum(part, axis=1, dtype=np.float64)
+    j = np.count_nonzero(inner <= goal[:, None], axis=1)
+    for i in np.flatnonzero(ok & (j >= _DRAW_BLOCK)):  # rounding: the block's last token with mass
+        j[i] = np.flatnonzero(part[i])[-1]
+    out = b * _DRAW_BLOCK + j
+    if not ok.all():
+        out[~ok] = raw[s[~ok]].argmax(axis=1)
     return out
 
 
-def _draw(row: np.ndarray, blocks: np.ndarray, cum: np.ndarray, u: float) -> int:
-    """The token where the running mass of ``row`` [V] (unnormalised, token-id
-    order) first exceeds ``u`` times its total; -1 if the row has no mass.
-    ``blocks`` [nb] are its per-block masses and ``cum`` [nb] their running sum."""
-    if not cum[-1] > 0:
-        return -1
-    target = u * cum[-1]
-    b = min(int(np.searchsorted(cum, target, side="right")), cum.size - 1)
-    while blocks[b] <= 0:  # rounding at the very top: step back to mass
-        b -= 1
-    lo = b * _DRAW_BLOCK
-    part = row[lo : lo + _DRAW_BLOCK]
-    inner = np.cumsum(part, dtype=np.float64)
-    j = int(np.searchsorted(inner, target - (cum[b - 1] if b else 0.0), side="right"))
-    if j >= part.size:  # rounding: the block's last token with mass
-        j = int(np.flatnonzero(part)[-1])
-    return lo + j
+def _candidates(
+    xs: np.ndarray,
+    t: np.ndarray,
+    m: np.ndarray,
+    floor: np.ndarray,
+    cut: np.ndarray,
+    kr: np.ndarray,
+    survivors: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The kept tokens of the rows ``cut`` (those with a finite ``floor``) as
+    (row, token, exp(xs / t - m)) lists in row-then-token order: the same
+    float32 operations per token as on a dense row."""
+    parts = []
+    if survivors is not None:
+        on = cut[survivors[0]]
+        parts.append((survivors[0][on], survivors[1][on], survivors[2][on]))
+    plain = cut.copy()
+    plain[kr] = False
+    mo = np.flatnonzero(plain)  # min-p without top-k
+    if mo.size:
+        xm = _rows(xs, mo)
+        rr, cc = _where(xm >= _below(floor[mo].astype(np.float64) * t[mo])[:, None])
+        parts.append((mo[rr], cc, xm[rr, cc]))
+    rows, cols, x = _concat_rows(parts)
+    xt = x / t[rows]
+    on = xt >= floor[rows]
+    rows, cols = rows[on], cols[on]
+    e = np.exp(xt[on] - m[rows])  # [N] unnormalised probabilities exp(x - max)
+    on = e > 0  # (an underflow adds nothing anywhere)
+    return rows[on], cols[on], e[on]
 
 
-def _nucleus_floor(e: np.ndarray, target: np.ndarray) -> np.ndarray:
-    """Per row of ``e`` [P, V] (unnormalised probabilities), the probability of
-    the last token of the smallest most-likely-first set whose mass reaches
-    ``target`` [P] (top_p times the row's mass); ties at that value are all
-    kept by the caller. 0 (keep everything) where rounding makes it unreachable."""
+def _rows(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """``a[idx]``, or ``a`` itself (no copy) when ``idx`` is every row in order."""
+    return a if idx.size == a.shape[0] else a[idx]
+
+
+def _where(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.nonzero`` of a [R, V] mask (row-then-column order), several times
+    faster: one flat scan instead of a multi-index walk."""
+    flat = np.flatnonzero(mask)
+    return np.divmod(flat, mask.shape[1])
+
+
+def _below(bound: np.ndarray) -> np.ndarray:
+    """A float32 lower bound on every x whose ``x / t`` rounds to at least
+    ``bound / t`` (given ``bound`` in x units): a relative margin far wider
+    than float32 rounding, so a pre-filter at it never drops a token."""
+    lo = (bound - (np.abs(bound) * 1e-5 + 1e-30)).astype(np.float32)
+    return np.nextafter(lo, np.float32(-np.inf))
+
+
+def _concat_rows(
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Join (row, token, value) lists of disjoint rows, each in row-then-token
+    order, into one list in that order."""
+    if not parts:
+        return _NO_IDS, _NO_IDS, _NO_VALS
+    if len(parts) == 1:
+        return parts[0]
+    r, c, val = (np.concatenate(p) for p in zip(*parts, strict=True))
+    order = np.argsort(r, kind="stable")
+    return r[order], c[order], val[order]
+
+
+def _kth_largest(
+    x: np.ndarray, k: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per row of ``x`` [K, V] its ``k``-th largest value [K], and the
+    ``_top_survivors`` it was ranked among (a superset of the tokens a cut at
+    it keeps, ties and rounding included)."""
+    rr, cc, vals = _top_survivors(x, k)
+    counts = np.bincount(rr, minlength=x.shape[0])
+    kth = _sorted_desc(rr, vals)[1][np.cumsum(counts) - counts + k - 1]
+    return kth, rr, cc, vals
+
+
+def _top_survivors(x: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every entry (row, token, value; row-then-token order) of ``x`` [K, V]
+    at or above a lower bound of its row's ``k``-th largest value, less a
+    margin wider than the rounding of a division by the temperature.
+
+    Any k entries of a row bound its k-th largest from below; the maxima of
+    ``_KTH_GROUPS`` strided groups are a cheap such set that is nearly the
+    top one, so one compare leaves few survivors to rank."""
+    kk, v = x.shape
+    kmax = int(k.max())
+    cols = max(_KTH_GROUPS, 4 * kmax)
+    per = v // cols
+    heads = x
+    if per >= 2:
+        heads = x[:, : per * cols].reshape(kk, per, cols).max(axis=1)  # [K, cols]
+        if per * cols < v:
+            heads = np.concatenate([heads, x[:, per * cols :]], axis=1)
+    h = heads.shape[1]
+    top = np.partition(heads, h - kmax, axis=1)[:, h - kmax :]  # [K, kmax] largest, unsorted
+    top.sort(axis=1)
+    bound = top[np.arange(kk), kmax - k]
+    mask = x >= _below(bound.astype(np.float64))[:, None]  # [K, V]
+    short = np.count_nonzero(mask, axis=1) < k  # NaN or inf in the row (raw logits only)
+    if short.any():
+        mask[short] = True
+    rr, cc = _where(mask)
+    return rr, cc, x[rr, cc]
+
+
+def _sorted_desc(rows: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(rows, vals)`` (float32, no NaN) sorted by row, then value largest
+    first. Long lists sort int64 keys (row, order-preserving bits of the
+    value) once: ``np.lexsort`` is fine on a few hundred entries but an order
+    of magnitude slower on tens of thousands."""
+    if rows.size <= 1024:
+        order = np.lexsort((-vals, rows))
+        return rows[order], vals[order]
+    bits = vals.view(np.uint32).astype(np.int64)
+    up = np.where(bits >= 2**31, 2**32 - 1 - bits, bits + 2**31)  # ascending with the value
+    key = np.sort((rows.astype(np.int64) << 32) | (2**32 - 1 - up))
+    up = 2**32 - 1 - (key & (2**32 - 1))
+    bits = np.where(up >= 2**31, up - 2**31, 2**32 - 1 - up)
+    return key >> 32, bits.astype(np.uint32).view(np.float32)
+
+
+def _set_block_sums(
+    blocks: np.ndarray, rows: np.ndarray, cols: np.ndarray, e: np.ndarray, v: int
+) -> None:
+    """``blocks[r, j]`` = the mass of block j of row r's candidates (row-then-
+    token order), summed exactly as ``np.add.reduceat`` sums the dense row:
+    each touched block is laid out whole, zeros for the other tokens."""
+    if not rows.size:
+        return
+    nb = blocks.shape[1]
+    key = rows * nb + cols // _DRAW_BLOCK
+    new = np.concatenate(([True], key[1:] != key[:-1]))
+    if new.all():  # one token per block (a small nucleus): its mass is the token's
+        blocks.reshape(-1)[key] = e
+        return
+    seg = np.cumsum(new) - 1  # segment of each candidate
+    first = key[new]
+    size = np.minimum(_DRAW_BLOCK, v - (first % nb) * _DRAW_BLOCK)  # the last block is short
+    start = np.cumsum(size) - size
+    buf = np.zeros(int(size.sum()), dtype=np.float32)
+    buf[start[seg] + cols % _DRAW_BLOCK] = e
+    blocks.reshape(-1)[first] = np.add.reduceat(buf, start)
+
+
+def _nucleus(
+    rows: np.ndarray, e: np.ndarray, target: np.ndarray, n: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per row (of ``n``) of the lists ``rows``/``e`` (unnormalised
+    probabilities), the value of the last token of the smallest most-likely-
+    first set whose mass reaches ``target`` [n]; ties at that value are all
+    kept by the caller. Also whether it was reached: 0 where not (rounding, or
+    a row without entries), which keeps everything."""
+    out = np.zeros(n, dtype=np.float32)
+    found = np.zeros(n, dtype=bool)
+    if not rows.size:
+        return out, found
+    r, val = _sorted_desc(rows, e)
+    counts = np.bincount(r, minlength=n)
+    have = np.flatnonzero(counts)
+    slot = np.cumsum(counts > 0) - 1  # row -> its line of ``head``
+    starts = np.cumsum(counts) - counts
+    head = np.zeros((have.size, int(counts.max())), dtype=np.float32)  # zero padded
+    head[slot[r], np.arange(r.size) - starts[r]] = val
+    reached = np.cumsum(head, axis=1, dtype=np.float64) >= target[have, None]
+    hit = reached.any(axis=1)
+    found[have] = hit
+    out[have[hit]] = head[hit, reached[hit].argmax(axis=1)]
+    return out, found
+
+
+def _dense_nucleus(
+    e: np.ndarray, rows: np.ndarray, mass: np.ndarray, top_p: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Top-p of whole-vocabulary rows ``e`` [P, V] (unnormalised probabilities,
+    at most 1, of total ``mass`` [P], sampler rows ``rows``): their kept tokens
+    as (row, token, value) lists.
+
+    The nucleus is ranked among the tokens above a threshold, lowered until it
+    holds the nucleus: first fractions of the top probability, then
+    (1 - top_p) * mass / V (the tokens below that hold less than 1 - top_p of
+    the mass together), then, where rounding still defeats it, the whole row."""
     p, v = e.shape
-    c = min(v, NUCLEUS_CANDIDATES)
-    head = np.partition(e, v - c, axis=1)[:, v - c :] if c < v else e.copy()  # [P, c]
-    head.sort(axis=1)
-    head = head[:, ::-1]  # descending
-    reached = np.cumsum(head, axis=1, dtype=np.float64) >= target[:, None]
-    found = reached.any(axis=1)
-    out = np.where(found, head[np.arange(p), reached.argmax(axis=1)], 0.0).astype(np.float32)
-    if c < v:
-        for i in np.flatnonzero(~found):  # nucleus wider than the candidates: full sort
-            full = np.sort(e[i])[::-1]
-            hit = np.cumsum(full, dtype=np.float64) >= target[i]
-            out[i] = full[hit.argmax()] if hit.any() else 0.0
-    return out
+    target = top_p * mass
+    floor = np.zeros(p, dtype=np.float32)
+    left = np.arange(p)  # rows whose nucleus is not found yet
+    parts = []
+    for level in (2.0**-7, 2.0**-14, None):
+        if level is None:
+            thr = ((1.0 - top_p[left]) * mass[left] / v).astype(np.float32)
+        else:
+            thr = np.full(left.size, level, dtype=np.float32)
+        sub = _rows(e, left)
+        rr, cc = _where(sub >= thr[:, None])
+        vals = sub[rr, cc]
+        f, found = _nucleus(rr, vals, target[left], left.size)
+        on = found[rr] & (vals >= f[rr])
+        parts.append((rows[left[rr[on]]], cc[on], vals[on]))
+        floor[left] = f
+        left = left[~found]
+        if not left.size:
+            break
+    for i in left:  # the bound fell short: a full sort decides
+        full = np.sort(e[i])[::-1]
+        hit = np.cumsum(full, dtype=np.float64) >= target[i]
+        last = full[hit.argmax()] if hit.any() else np.float32(0.0)
+        ids = np.flatnonzero((e[i] >= last) & (e[i] > 0))
+        parts.append((np.full(ids.size, rows[i]), ids, e[i, ids]))
+    return _concat_rows(parts)
 
 
 def _logprobs(
@@ -345,28 +599,25 @@ def _logprobs(
         return None, top_ids, top_lps
     r = raw if lr.size == b else raw[lr]  # [L, V]; read only
     m = r.max(axis=1)
-    lse = m + np.log(np.exp(r - m[:, None]).sum(axis=1))  # [L]
+    shifted = r - m[:, None]  # [L, V]
+    lse = m + np.log(np.exp(shifted, out=shifted).sum(axis=1))  # [L]
     logprobs = np.zeros(b, dtype=np.float32)
     logprobs[lr] = r[np.arange(lr.size), tokens[lr]] - lse
 
     t = np.flatnonzero(n_top[lr] > 0)  # positions in lr
     if t.size:
-        n = int(n_top[lr[t]].max())
-        rt = r[t]  # [T, V]
-        ids = np.argpartition(rt, v - n, axis=1)[:, v - n :] if n < v else np.argsort(rt, axis=1)
-        vals = np.take_along_axis(rt, ids, axis=1)  # [T, n]
-        # Where a tie straddles the cut, argpartition's pick is arbitrary:
-        # take the lowest ids among the tied tokens instead.
-        cut = vals.min(axis=1)
-        for j in np.flatnonzero(np.count_nonzero(rt >= cut[:, None], axis=1) > n):
-            cand = np.flatnonzero(rt[j] >= cut[j])  # ascending ids
-            ids[j] = cand[np.lexsort((cand, -rt[j, cand]))[:n]]
-            vals[j] = rt[j, ids[j]]
-        order = np.lexsort((ids, -vals), axis=1)  # most likely first, ties by lowest id
-        ids = np.take_along_axis(ids, order, axis=1)
-        lps = (np.take_along_axis(vals, order, axis=1) - lse[t, None]).astype(np.float32)
+        want = n_top[lr[t]]
+        rr, cc, vals = _top_survivors(_rows(r, t), want)  # every top-n token, ties included
+        order = np.lexsort((cc, -vals, rr))  # per row most likely first, ties by lowest id
+        rr, cc, vals = rr[order], cc[order], vals[order]
+        counts = np.bincount(rr, minlength=t.size)
+        rank = np.arange(rr.size) - (np.cumsum(counts) - counts)[rr]
+        on = rank < want[rr]
+        rr, cc = rr[on], cc[on]
+        lps = (vals[on] - lse[t[rr]]).astype(np.float32)
+        ends = np.cumsum(want)
         for k, pos in enumerate(t):
-            row, want = int(lr[pos]), int(n_top[lr[pos]])
-            top_ids[row] = ids[k, :want].astype(np.int64)
-            top_lps[row] = lps[k, :want].copy()
+            row = int(lr[pos])
+            top_ids[row] = cc[ends[k] - want[k] : ends[k]]
+            top_lps[row] = lps[ends[k] - want[k] : ends[k]]
     return logprobs, top_ids, top_lps

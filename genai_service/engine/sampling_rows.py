@@ -15,6 +15,7 @@ from dataclasses import replace
 import numpy as np
 
 from . import sampler as sampling
+from .constraints import Guidance
 from .request import SamplingParams, TokenLogprob, TopLogprob
 from .sequence import Sequence
 
@@ -27,7 +28,8 @@ def plain_greedy(seq: Sequence, pending: int = 0) -> bool:
     checked)."""
     p = seq.request.sampling
     return (
-        p.greedy
+        seq.matcher is None
+        and p.greedy
         and seq.request.top_logprobs == 0
         and len(seq.output_ids) + pending >= seq.request.stopping.min_new_tokens
         and p.repetition_penalty in (None, 1.0)
@@ -37,10 +39,14 @@ def plain_greedy(seq: Sequence, pending: int = 0) -> bool:
 
 
 def sampling_row(
-    seq: Sequence, defaults: Mapping[str, float | int], pending: list[int] | None = None
+    seq: Sequence,
+    defaults: Mapping[str, float | int],
+    pending: list[int] | None = None,
+    allowed: np.ndarray | None = None,
 ) -> sampling.SamplingRow:
     """The sampler's view of ``seq``; ``defaults`` are the model's ``sampling_defaults``;
-    ``pending`` as in ``plain_greedy``, but the tokens themselves (penalties see them)."""
+    ``pending`` as in ``plain_greedy``, but the tokens themselves (penalties see them);
+    ``allowed`` the mask of its constraint, if it has one."""
     outputs = seq.output_ids + pending if pending else seq.output_ids
     banned: tuple[int, ...] = ()
     if len(outputs) < seq.request.stopping.min_new_tokens:
@@ -53,6 +59,7 @@ def sampling_row(
         top_logprobs=seq.request.top_logprobs,
         banned_token_ids=banned,
         want_logprobs=seq.request.top_logprobs > 0,
+        allowed=allowed,
     )
 
 
@@ -96,18 +103,38 @@ Picked = tuple[int, TokenLogprob | None]  # a token, and its logprobs if the req
 
 class TokenPicker:
     """The next token of sequences from their logits, as the request asks:
-    a row-wise argmax when every row is plain greedy, the sampler otherwise."""
+    a row-wise argmax when every row is plain greedy, the sampler otherwise.
+    A constrained sequence's row is masked by its matcher (``guidance``)."""
 
-    def __init__(self, defaults: Mapping[str, float | int], token_text: Callable[[int], str]):
+    def __init__(
+        self,
+        defaults: Mapping[str, float | int],
+        token_text: Callable[[int], str],
+        guidance: Guidance | None = None,
+    ):
         self.defaults = defaults  # the model's sampling_defaults
         self.token_text = token_text
+        self.guidance = guidance
 
-    def pick(self, seqs: list[Sequence], logits: np.ndarray) -> list[Picked]:
-        """One token per sequence; ``logits``: [len(seqs), vocab]."""
+    def pick(
+        self,
+        seqs: list[Sequence],
+        logits: np.ndarray,
+        allowed: dict[int, np.ndarray] | None = None,
+    ) -> list[Picked]:
+        """One token per sequence; ``logits``: [len(seqs), vocab]; ``allowed``:
+        the masks of the constrained sequences, by seq_id (computed now when
+        missing)."""
         if all(plain_greedy(seq) for seq in seqs):
             # The common case needs no sampler set-up.
             return [(int(t), None) for t in np.argmax(logits, axis=1)]
-        rows = [sampling_row(seq, self.defaults) for seq in seqs]
+        masks = dict(allowed or {})
+        missing = [s for s in seqs if s.matcher is not None and s.seq_id not in masks]
+        if missing:
+            assert self.guidance is not None  # only it makes matchers
+            found = self.guidance.masks([s.matcher for s in missing])
+            masks.update(zip([s.seq_id for s in missing], found, strict=True))
+        rows = [sampling_row(seq, self.defaults, allowed=masks.get(seq.seq_id)) for seq in seqs]
         sampled = sampling.sample(logits, sampling.prepare(rows))
         return [self._picked(seq, sampled, j) for j, seq in enumerate(seqs)]
 
@@ -116,7 +143,17 @@ class TokenPicker:
         [vocab]) after ``pending`` (picked, not yet appended: a draft being checked)."""
         if plain_greedy(seq, len(pending)):
             return int(np.argmax(row)), None
-        args = sampling.prepare([sampling_row(seq, self.defaults, pending)])
+        allowed = None
+        if seq.matcher is not None:
+            # The mask after the pending tokens: consume them, then roll back.
+            assert self.guidance is not None
+            matcher = seq.matcher
+            if pending and not matcher.consume_tokens(pending):
+                raise RuntimeError(f"constraint rejected picked tokens: {matcher.get_error()}")
+            allowed = self.guidance.masks([matcher])[0]
+            if pending:
+                matcher.rollback(len(pending))
+        args = sampling.prepare([sampling_row(seq, self.defaults, pending, allowed)])
         return self._picked(seq, sampling.sample(row[None], args), 0)
 
     def _picked(self, seq: Sequence, sampled: sampling.SampleOutput, j: int) -> Picked:

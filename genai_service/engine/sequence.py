@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tokenizers
@@ -66,6 +66,9 @@ class Sequence:
     prefix_keys: list[bytes] = field(default_factory=list)
     prefetch: Future[list[KvLayers]] | None = None
     prefetch_from: int = 0  # index in prefix_keys of the first prefetched key
+    # llguidance.LLMatcher of the request's constraint (engine/constraints.py): it
+    # has consumed exactly the generated tokens; None without a constraint.
+    matcher: Any = None
 
     @property
     def request_id(self) -> str:
@@ -77,13 +80,20 @@ class Sequence:
         return len(self.token_ids) - self.num_computed
 
     def append(
-        self, token: int, context_length: int, token_text: Callable[[int], str]
+        self,
+        token: int,
+        context_length: int,
+        token_text: Callable[[int], str],
+        consume: Callable[[Sequence, int], bool],
     ) -> tuple[str, FinishReason | None]:
         """Append a picked token and apply the stop rules: the text it makes safe
         to stream and why the sequence finishes with it, if it does (the text
-        then includes what the detokenizer and stop matcher held back)."""
+        then includes what the detokenizer and stop matcher held back).
+        ``consume(seq, token)`` feeds the token to the request's constraint and
+        says whether it is complete (``Guidance.consume``)."""
         self.token_ids.append(token)
         self.output_ids.append(token)
+        constraint_done = consume(self, token)
         text_out = self.text
         finish: FinishReason | None
         if token in self.eos_token_ids:
@@ -94,7 +104,10 @@ class Sequence:
             text = text_out.add(token)
             if text_out.stopped:
                 return text, FinishReason.STOP_SEQUENCE
-            finish = self.limit_reached(context_length)
+            # A complete constraint ends the text as EOS would.
+            finish = (
+                FinishReason.EOS_TOKEN if constraint_done else self.limit_reached(context_length)
+            )
             if finish is None:
                 return text, None
         text += text_out.finish()  # a stop string may still complete in the held-back text

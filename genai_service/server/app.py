@@ -58,7 +58,12 @@ class GenAIServer:
         self.metrics = Metrics()
         self.metrics_port: int | None = None
         self.frontend = Frontend(
-            self.engine, self.tokenizer, config.max_input_chars, config.auth_tokens, self.metrics
+            self.engine,
+            self.tokenizer,
+            config.max_input_chars,
+            config.auth_tokens,
+            self.metrics,
+            config.stream_interval,
         )
         options = [
             ("grpc.max_send_message_length", config.max_message_bytes),

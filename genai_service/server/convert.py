@@ -10,6 +10,7 @@ from genai_common.errors import InvalidArgument
 from genai_proto.genai.v1 import common_pb2, generate_pb2, model_pb2, session_pb2
 
 from ..engine.request import (
+    Constraint,
     EngineInfo,
     FinishReason,
     GenerationRequest,
@@ -134,7 +135,27 @@ def generation_request(
             request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         ),
         cache_salt=_opt(request, "cache_salt"),  # type: ignore[arg-type]
+        constraint=constraint(request),
     )
+
+
+def constraint(request: generate_pb2.GenerateRequest) -> Constraint | None:
+    """GenerateRequest.constraint for the engine, which validates the text."""
+    if not request.HasField("constraint"):
+        return None
+    c = request.constraint
+    kind = c.WhichOneof("kind")
+    if kind is None:
+        raise InvalidArgument(
+            "constraint: set one of json_schema, regex, grammar, choice, json_object"
+        )
+    if kind == "choice":
+        return Constraint(kind, choices=tuple(c.choice.choices))
+    if kind == "json_object":
+        if not c.json_object:
+            raise InvalidArgument("constraint.json_object: false; set it to true or unset it")
+        return Constraint(kind)
+    return Constraint(kind, value=getattr(c, kind))
 
 
 def logprobs(items: Sequence[TokenLogprob]) -> list[common_pb2.TokenLogprob]:

@@ -23,6 +23,8 @@ import contextlib
 import dataclasses
 import itertools
 import multiprocessing as mp
+import os
+import pickle
 import secrets
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -60,9 +62,53 @@ from ..engine.sessions import SessionInfo, SessionPage
 
 log = structlog.get_logger(__name__)
 
+READ_CHUNK = 64 * 1024  # below malloc's mmap threshold: a read allocates no fresh pages
 MAX_START_FAILURES = 5  # then the server exits non-zero (Kubernetes: CrashLoopBackOff)
 RESTART_BACKOFF_S = 0.5
 RESTART_BACKOFF_MAX_S = 30.0
+
+
+class PipeReader:
+    """The engine's messages from the bytes of its pipe, as ``Connection.recv`` frames them.
+
+    ``multiprocessing.Connection`` sends each message as a 4-byte big-endian
+    signed length (-1 and then an 8-byte length for messages over 2 GiB) and
+    the pickle. Reading the socket once per readable event and splitting the
+    frames here costs one ``read`` per engine step, where ``poll()`` and
+    ``recv()`` cost a ``poll``, two ``read``s and a new selector per message
+    and one more ``poll`` to find the pipe empty (py-spy of the frontend at one
+    stream: about half of its busy samples; ``python -m bench.frontend_profile``).
+    """
+
+    def __init__(self) -> None:
+        self._pending = bytearray()  # the start of a frame whose rest has not arrived
+
+    def feed(self, data: bytes) -> list[Any]:
+        """The messages that ``data`` completes, in order."""
+        buffered = bool(self._pending)
+        if buffered:
+            self._pending += data
+        buf = self._pending if buffered else data
+        messages = []
+        pos, end = 0, len(buf)
+        with memoryview(buf) as view:
+            while end - pos >= 4:
+                size = int.from_bytes(view[pos : pos + 4], "big", signed=True)
+                start = pos + 4
+                if size == -1:
+                    if end - pos < 12:
+                        break
+                    size = int.from_bytes(view[start : start + 8], "big")
+                    start += 8
+                if end - start < size:
+                    break
+                messages.append(pickle.loads(view[start : start + size]))
+                pos = start + size
+        if buffered:
+            del self._pending[:pos]
+        elif pos < end:
+            self._pending = bytearray(data[pos:])
+        return messages
 
 
 class EngineProcess:
@@ -89,6 +135,7 @@ class EngineProcess:
         self._ctx = mp.get_context("spawn")
         self._proc: Any = None
         self._conn: Connection | None = None
+        self._reader = PipeReader()
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}  # by engine id
         self._engine_ids: dict[tuple[str, str], str] = {}  # (principal, request_id) -> engine id
         self._calls: dict[int, asyncio.Future[Any]] = {}
@@ -128,6 +175,7 @@ class EngineProcess:
         proc.start()
         child.close()
         self._proc, self._conn = proc, parent
+        self._reader = PipeReader()
         self._ready = self._loop.create_future()
         # Nobody may be waiting (a restart): read the error so asyncio does not
         # report it as never retrieved.
@@ -141,10 +189,16 @@ class EngineProcess:
         if conn is None:
             return
         try:
-            while conn.poll():
-                self._dispatch(conn.recv())
-        except (EOFError, OSError):
+            # One read: the pipe is readable, so it returns what is there at
+            # once; whatever is left makes it readable again.
+            data = os.read(conn.fileno(), READ_CHUNK)
+        except OSError:
+            data = b""
+        if not data:
             self._on_exit()
+            return
+        for msg in self._reader.feed(data):
+            self._dispatch(msg)
 
     def _dispatch(self, msg: FromEngine) -> None:
         match msg:
@@ -229,10 +283,18 @@ class EngineProcess:
         except (BrokenPipeError, OSError) as exc:
             raise Unavailable(f"the engine process is gone: {exc}") from exc
 
-    async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(
+        self, request: GenerationRequest, stream_interval: int = 1
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Submit a request and yield its outputs; aborts it in the engine if the
         consumer stops early (client cancel, deadline). ``request.request_id``
-        need only be unique among ``request.principal``'s requests in flight."""
+        need only be unique among ``request.principal``'s requests in flight.
+
+        Steps the consumer has not taken yet go out as one output, so a consumer
+        that falls behind catches up at once. With ``stream_interval`` N > 1 the
+        outputs after the first one with tokens wait until N tokens are pending
+        (or the request ends) and carry at most N, unless one engine step alone
+        produced more (speculative decoding): ServerConfig.stream_interval."""
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         rid, key = request.request_id, (request.principal, request.request_id)
         if key in self._engine_ids:
@@ -240,26 +302,46 @@ class EngineProcess:
         engine_id = f"{rid}#{secrets.token_hex(8)}"
         self._engine_ids[key] = engine_id
         self._queues[engine_id] = queue
+        cap = stream_interval if stream_interval > 1 else None  # None: catch up unbounded
         finished = False
+        sent_tokens = False  # an output with tokens has gone out: the rest may wait
         held: RequestOutput | None = None  # taken from the queue, not yet used
+        pending: RequestOutput | None = None  # coalesced, waiting for stream_interval tokens
         try:
             self._send(AddRequest(dataclasses.replace(request, request_id=engine_id)))
             while True:
                 item = held if held is not None else await queue.get()
                 held = None
                 if item.error is not None:
-                    finished = True
-                    raise item.error
-                # Steps the consumer has not taken yet go out as one delta, so a
-                # consumer that falls behind catches up in one message.
-                while not item.finished and not queue.empty():
-                    following = queue.get_nowait()
-                    if following.error is not None:
-                        held = following
-                        break
-                    item = merge_outputs(item, following)
+                    if pending is None:
+                        finished = True
+                        raise item.error
+                    item, held, pending = pending, item, None  # what came before, then it
+                else:
+                    if pending is not None:
+                        item, pending = merge_outputs(pending, item), None
+                    # (With a stream_interval, a request's first tokens go out alone.)
+                    first = cap is not None and not sent_tokens and bool(item.token_ids)
+                    while not item.finished and not first and not queue.empty():
+                        following = queue.get_nowait()
+                        if following.error is not None or (
+                            cap is not None and len(item.token_ids) + len(following.token_ids) > cap
+                        ):
+                            held = following
+                            break
+                        item = merge_outputs(item, following)
+                    if (
+                        cap is not None
+                        and sent_tokens
+                        and held is None
+                        and not item.finished
+                        and len(item.token_ids) < cap
+                    ):
+                        pending = item
+                        continue
                 if item.finished:
                     finished = True
+                sent_tokens = sent_tokens or bool(item.token_ids)
                 yield dataclasses.replace(item, request_id=rid)
                 if finished:
                     return

@@ -22,8 +22,8 @@ import grpc
 import structlog
 
 from genai_common.decoding import Undecodable
-from genai_common.errors import GenAIError, InvalidArgument, Unauthenticated, Unavailable
-from genai_common.status import status_code
+from genai_common.errors import GenAIError, Internal, InvalidArgument, Unauthenticated, Unavailable
+from genai_common.status import abort, rpc_status_of
 from genai_proto.genai.v1 import (
     generate_pb2,
     generate_pb2_grpc,
@@ -56,8 +56,10 @@ class Frontend:
         max_input_chars: int,
         auth_tokens: tuple[tuple[str, str], ...] = (),
         metrics: Metrics | None = None,
+        stream_interval: int = 1,
     ) -> None:
         self.engine = engine
+        self.stream_interval = stream_interval  # ServerConfig.stream_interval
         self.metrics = metrics or Metrics()
         self.auth_tokens = auth_tokens
         self.tokenizer = tokenizer
@@ -110,12 +112,13 @@ class Frontend:
             convert.generation_request(request, ids), principal=_principal.get()
         )
 
-    async def outputs(self, request: Any) -> AsyncIterator[RequestOutput]:
+    async def outputs(self, request: Any, stream_interval: int = 1) -> AsyncIterator[RequestOutput]:
         m = self.metrics
         started = time.monotonic()
         first = True
         with self.tracking(), m.inflight.track_inprogress():
-            async with contextlib.aclosing(self.engine.generate(request)) as stream:
+            stream = self.engine.generate(request, stream_interval)
+            async with contextlib.aclosing(stream):
                 async for out in stream:
                     if first and out.token_ids:
                         m.ttft.observe(time.monotonic() - started)
@@ -132,7 +135,8 @@ class Frontend:
         """A request's stream events: a Delta per output with tokens or
         text, then one Final (shared by GenerateStream and GenerateBidi)."""
         outputs: list[RequestOutput] = []
-        async for out in self.outputs(await self.build_request(request)):
+        built = await self.build_request(request)
+        async for out in self.outputs(built, self.stream_interval):
             outputs.append(out)
             if out.token_ids or out.text:
                 yield convert.delta(out)
@@ -151,9 +155,9 @@ def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
     async def fail(exc: BaseException, context: grpc.aio.ServicerContext) -> None:
         if isinstance(exc, GenAIError):
             log.info("rpc_error", rpc=name, code=exc.code, message=exc.message)
-            await context.abort(status_code(exc), exc.message)
+            await abort(context, exc)
         log.error("rpc_internal_error", rpc=name, exc_info=exc)
-        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
+        await abort(context, Internal(f"internal error: {exc}"))
 
     def bind(request: Any) -> None:
         # The one place a request id is made: for a request that has none, and
@@ -251,20 +255,17 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         try:
             _principal.set(self.fe.authenticate(context))
         except GenAIError as exc:
-            await context.abort(status_code(exc), exc.message)
+            await abort(context, exc)
         if self.fe.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+            await abort(context, Unavailable("the server is shutting down"))
         events: asyncio.Queue[generate_pb2.BidiResponse | None] = asyncio.Queue()
         tasks: dict[str, asyncio.Task[None]] = {}
 
         def error_event(rid: str, exc: BaseException) -> generate_pb2.BidiResponse:
             if not isinstance(exc, GenAIError):
                 log.error("bidi_request_failed", request_id=rid, exc_info=exc)
-                exc = GenAIError(f"internal error: {exc}")
-            return generate_pb2.BidiResponse(
-                request_id=rid,
-                error=generate_pb2.ErrorStatus(code=status_code(exc).value[0], message=exc.message),
-            )
+                exc = Internal(f"internal error: {exc}")
+            return generate_pb2.BidiResponse(request_id=rid, error=rpc_status_of(exc))
 
         async def run_one(rid: str, start: generate_pb2.GenerateRequest) -> None:
             try:
@@ -318,7 +319,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     break
             failed = failure()
             if isinstance(failed, GenAIError):
-                await context.abort(status_code(failed), failed.message)
+                await abort(context, failed)
             if failed is not None:
                 raise failed
         finally:

@@ -22,6 +22,7 @@ import grpc
 import grpc.aio
 import pytest
 from google.protobuf import json_format
+from google.rpc import status_pb2
 
 import genai_client
 from genai_client import (
@@ -215,7 +216,7 @@ class FakeGenerate(generate_pb2_grpc.GenerateServiceServicer):
             try:
                 plan = self.state.plan(request)
             except FakeError as e:
-                status = generate_pb2.ErrorStatus(code=e.code.value[0], message=e.message)
+                status = status_pb2.Status(code=e.code.value[0], message=e.message)
                 await out.put(generate_pb2.BidiResponse(request_id=rid, error=status))
                 return
             sent: list[int] = []

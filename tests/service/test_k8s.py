@@ -566,7 +566,14 @@ def test_dockerfile_user_and_version_match_the_manifests() -> None:
             for c in all_containers(spec):
                 assert c["image"].endswith(f":{version}"), c["image"]
     # The stub generation is the Makefile's (same protoc outputs, same rewrite).
-    for fragment in ("--python_out=", "--pyi_out=", "--grpc_python_out=", "-Iprotos"):
+    for fragment in (
+        "--python_out=",
+        "--pyi_out=",
+        "--grpc_python_out=",
+        "-Iprotos",
+        "find protos -path protos/google -prune -o -name '*.proto' -print",
+        "import google.rpc.status_pb2 as m, pathlib; print(pathlib.Path(m.__file__).parents[2])",
+    ):
         assert fragment in makefile and fragment in dockerfile
     rewrite = "s/^from (genai|kvstore)(\\.v1)? import/from genai_proto.\\1\\2 import/"
     assert rewrite in makefile and rewrite in dockerfile

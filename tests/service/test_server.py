@@ -10,9 +10,12 @@ from pathlib import Path
 import grpc
 import pytest
 from google.protobuf import descriptor_pb2, json_format
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_status import rpc_status
 
+from genai_client.errors import FieldViolation, from_rpc_error
 from genai_proto.genai.v1 import (
     common_pb2,
     generate_pb2,
@@ -197,7 +200,30 @@ def test_bidi_errors_are_per_request(channel: grpc.Channel) -> None:
         ("bad", grpc.StatusCode.INVALID_ARGUMENT.value[0])
     ]
     assert "sampling.top_p: 2.0 is out of range" in errors[0].error.message
+    # A google.rpc.Status: the BadRequest names the field as data.
+    (detail,) = errors[0].error.details
+    bad_request = error_details_pb2.BadRequest()
+    assert detail.Unpack(bad_request)
+    (violation,) = bad_request.field_violations
+    assert violation.field == "sampling.top_p"
+    assert violation.description.startswith("2.0 is out of range")
     assert any(e.request_id == "good" and e.WhichOneof("event") == "final" for e in events)
+
+
+def test_a_failed_call_carries_its_google_rpc_status(channel: grpc.Channel) -> None:
+    stub = generate_pb2_grpc.GenerateServiceStub(channel)
+    bad = gen_request("hello", 4, sampling=generate_pb2.SamplingParams(temperature=-1.0))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Generate(bad, timeout=30)
+    status = rpc_status.from_call(err.value)  # also checks code and message agree
+    assert status is not None and status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    bad_request = error_details_pb2.BadRequest()
+    assert status.details[0].Unpack(bad_request)
+    assert [v.field for v in bad_request.field_violations] == ["sampling.temperature"]
+    # The typed client error reads it.
+    assert from_rpc_error(err.value).field_violations == (
+        FieldViolation("sampling.temperature", bad_request.field_violations[0].description),
+    )
 
 
 def test_sessions_over_rpc(channel: grpc.Channel) -> None:
@@ -763,3 +789,56 @@ def test_steps_a_stalled_frontend_missed_arrive_as_one_delta(
     assert len(deltas) < n  # without merging: one delta per step, n of them
     assert max(len(d.token_ids) for d in deltas) > 1
     assert rest[-1].final.usage.completion_tokens == n
+
+
+def test_stream_interval_coalesces_up_to_n_tokens_per_delta(
+    server: ServerThread, channel: grpc.Channel, long_context_model_dir: Path
+) -> None:
+    """``--stream-interval 4``: the same tokens, text and logprobs as one step per
+    delta, the first token at once, no delta over 4 tokens (a stalled consumer
+    catching up included), stop-sequence hold-back as before."""
+    prompt, n = "the cat sat on the mat", 40
+    ref_stub = generate_pb2_grpc.GenerateServiceStub(channel)
+    plain = ref_stub.Generate(gen_request(prompt, n))
+    stop = plain.text.split()[len(plain.text.split()) // 2]  # a word from the middle
+    requests = [
+        gen_request(prompt, n, top_logprobs=2),
+        gen_request(prompt, n, stopping={"stop_sequences": [stop]}),
+    ]
+    coalescing = ServerThread(
+        ServerConfig(
+            engine=engine_config(long_context_model_dir), port=free_port(), stream_interval=4
+        )
+    ).start()
+    try:
+        with coalescing.channel() as ch:
+            stub = generate_pb2_grpc.GenerateServiceStub(ch)
+            for i, request in enumerate(requests):
+                want = list(ref_stub.GenerateStream(request))
+                events = stub.GenerateStream(request)
+                got = [next(events)]
+                if i == 0:  # the engine runs ahead while the frontend stalls
+                    coalescing.loop.call_soon_threadsafe(time.sleep, 0.3)
+                got += list(events)
+                deltas = [e.delta for e in got if e.WhichOneof("event") == "delta"]
+                ref = [e.delta for e in want if e.WhichOneof("event") == "delta"]
+                assert len(deltas[0].token_ids) == 1
+                assert max(len(d.token_ids) for d in deltas) <= 4
+                for field in ("token_ids", "logprobs"):
+                    assert [x for d in deltas for x in getattr(d, field)] == [
+                        x for d in ref for x in getattr(d, field)
+                    ]
+                assert "".join(d.text for d in deltas) == "".join(d.text for d in ref)
+                for field in ("token_ids", "logprobs", "finish_reason", "stop_sequence"):
+                    assert getattr(got[-1].final, field) == getattr(want[-1].final, field)
+            assert requests[1].stopping.stop_sequences[0] not in "".join(d.text for d in deltas)
+            bidi = list(
+                stub.GenerateBidi(
+                    iter([generate_pb2.BidiRequest(start=gen_request(prompt, n, request_id="b"))])
+                )
+            )
+            tokens = [list(e.delta.token_ids) for e in bidi if e.WhichOneof("event") == "delta"]
+            assert [t for ts in tokens for t in ts] == list(plain.token_ids)
+            assert len(tokens[0]) == 1 and max(map(len, tokens)) <= 4
+    finally:
+        coalescing.stop()

@@ -6,6 +6,8 @@ a request refused at admission comes back as its one output."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import threading
 from typing import Any
 
 import pytest
@@ -177,3 +179,39 @@ def test_the_loop_serves_messages_and_answers_a_refused_request_as_its_output() 
     assert out.request_id == "buggy#1" and out.finished
     assert isinstance(out.error, Internal) and isinstance(out.error, GenAIError)
     assert stats == CallDone(5, "answer")
+
+
+def test_the_frontend_reads_the_engines_messages_however_the_bytes_arrive() -> None:
+    """``PipeReader`` splits ``Connection.send``'s frames itself (one read per
+    readable event): whole, several at once, or cut anywhere, including a
+    message larger than one read."""
+    from genai_service.server.engine_process import READ_CHUNK, PipeReader
+
+    sent: list[FromEngine] = [
+        Outputs((RequestOutput("a#1", (5,), "x"),)),
+        CallDone(3, "v" * (3 * READ_CHUNK)),
+        Outputs(tuple(RequestOutput(f"r{i}", (i,), "t") for i in range(8))),
+        CallFailed(4, NotFound("no session 's'")),
+    ]
+    parent, child = mp.Pipe()
+
+    def send_all() -> None:
+        for msg in sent:
+            child.send(msg)
+        child.close()
+
+    sender = threading.Thread(target=send_all)
+    sender.start()
+    wire = b""
+    while chunk := os.read(parent.fileno(), 1 << 16):  # the bytes as they are on the pipe
+        wire += chunk
+    sender.join()
+    parent.close()
+    for cut in (len(wire), 1, 3, 4, 5, 7, 1000, READ_CHUNK):
+        reader = PipeReader()
+        got: list[Any] = []
+        for i in range(0, len(wire), cut):
+            got += reader.feed(wire[i : i + cut])
+        assert [type(m) for m in got] == [type(m) for m in sent]
+        assert got[:3] == sent[:3]
+        assert isinstance(got[3], CallFailed) and got[3].error.message == "no session 's'"

@@ -1,0 +1,224 @@
+"""The benchmark's report of issue 14's rows (bench/report.py, bench/history.py), its
+/proc CPU reader (bench/procs.py) and its llama-server client (bench/llama.py), on
+synthetic results and a stand-in llama-server; no engine runs here."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench import history, llama, report
+from bench.procs import ProcCpu, proc_cpu_seconds
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _single(ttft: float, decode: float, cpu: dict | None = None) -> dict:
+    out: dict = {"ttft_s": ttft, "decode_tok_s": decode, "reps": []}
+    if cpu:
+        out["cpu_ms_per_token"] = cpu
+    return out
+
+
+def _conc(tok_s: float, cpu: dict | None = None) -> dict:
+    out: dict = {"agg_tok_s": tok_s, "ttft_p50_s": 0.5, "ttft_p99_s": 0.7, "reps": []}
+    if cpu:
+        out["cpu_ms_per_token"] = cpu
+    return out
+
+
+OURS_CPU = {"frontend": 0.12, "engine": 6.0, "client": 0.2}
+
+
+def results(*, issue14: bool = True) -> dict:
+    """A run's results in the shape bench/suite.py writes (two lengths, one shape)."""
+    lengths = ("128", "512")
+    single: dict = {
+        "ours_inproc": {k: _single(0.10, 70.0) for k in lengths},
+        "ours_server": {k: _single(0.11, 66.0, OURS_CPU if issue14 else None) for k in lengths},
+        "og_share_true": {k: _single(0.12, 60.0, {"og": 8.0}) for k in lengths},
+        "og_share_false": {k: _single(0.13, 55.0) for k in lengths},
+    }
+    single["og_best"] = {
+        k: {"ttft_s": 0.12, "decode_tok_s": 60.0, "ttft_setting": "true", "decode_setting": "true"}
+        for k in lengths
+    }
+    shape = "64-token prompts + 256 new tokens"
+    row: dict = {
+        "ours": _conc(160.0, OURS_CPU if issue14 else None),
+        "ours_inproc": _conc(170.0),
+        "og": _conc(120.0, {"og": 5.0}),
+    }
+    plan: dict = {"quick": False, "reps": 1, "threads": 2, "single_new_tokens": 32}
+    r: dict = {"single": single, "concurrency": {shape: {"1": row, "8": row}}}
+    if issue14:
+        sampled = {
+            "label": "temperature 0.7, top_p 0.9, top_k 50",
+            "ours_server": {k: _single(0.11, 63.0, OURS_CPU) for k in lengths},
+            "og_share_true": {k: _single(0.12, 64.0, {"og": 8.5}) for k in lengths},
+            "og_share_false": {k: _single(0.12, 50.0) for k in lengths},
+            "og_best": {k: {"ttft_s": 0.12, "decode_tok_s": 64.0} for k in lengths},
+        }
+        single["samplings"] = {"sampled": sampled}
+        row["samplings"] = {
+            "sampled": {"ours": _conc(152.0, OURS_CPU), "og": _conc(100.0, {"og": 5.5})},
+            "sampled_rep": {"ours": _conc(130.0, OURS_CPU), "og": _conc(110.0, {"og": 5.6})},
+        }
+        r["long"] = {
+            "prompt_tokens": 8064,
+            "new_tokens": 128,
+            "samplings": {
+                "greedy": {"ours_server": _single(4.0, 40.0, OURS_CPU), "og": _single(5.0, 38.0)}
+            },
+        }
+        r["llama_server"] = {"skipped": "no --llama-server binary given"}
+        r["sampler"] = {"skipped": "no bench.sampler_bench in this checkout"}
+        plan |= {
+            "concurrency_samplings": ["greedy", "sampled", "sampled_rep"],
+            "single_samplings": ["greedy", "sampled"],
+        }
+    r["meta"] = {
+        "date": "2026-12-01 23:00 UTC",
+        "machine": {
+            "cpu": "test",
+            "logical_cores": 2,
+            "affinity_cores": 2,
+            "memory_gib": 1,
+            "python": "3.11",
+            "load_avg_at_start": [0.1, 0.1, 0.1],
+        },
+        "versions": {
+            "genai-grpc_git_rev": "abc",
+            "genai-grpc_git_dirty": False,
+            "onnxruntime": "1",
+            "onnxruntime-genai": "0.18.0",
+        },
+        "plan": plan,
+        "model": {"dir": "/m", "name": "m.gguf", "weights": "{}"},
+        "elapsed_s": 60.0,
+    }
+    return r
+
+
+def _by_name(r: dict) -> dict[str, dict]:
+    return {t["target"]: t for t in report.targets(r)}
+
+
+def test_issue14_targets_compare_each_sampling_with_the_same_sampling_and_with_greedy() -> None:
+    ts = _by_name(results())
+    shape = "64-token prompts + 256 new tokens"
+    t = ts[f"issue 14: 8 streams, {shape}, sampled: total tok/s ≥ 1.3× og.Engine same sampling"]
+    assert t["measured"] == pytest.approx(1.52) and t["met"] is True
+    t = ts[f"issue 14: 8 streams, {shape}, sampled_rep: total tok/s ≥ 0.95× ours greedy"]
+    assert t["measured"] == pytest.approx(130 / 160) and t["met"] is False
+    t = ts["issue 14: single stream 512 tokens, sampled: decode tok/s ≥ 1.0× og.Generator (best)"]
+    assert t["measured"] == pytest.approx(63 / 64) and t["met"] is False
+    t = ts["issue 14: single stream, 8192-token context, greedy: TTFT ≤ 1.0× og.Generator"]
+    assert t["measured"] == pytest.approx(0.8) and t["met"] is True
+    t = ts[f"issue 14: 8 streams, {shape}, greedy: frontend CPU per streamed token ≤ 0.15 ms"]
+    assert t["unit"] == "ms" and t["measured"] == pytest.approx(0.12) and t["met"] is True
+    assert "issue 14: 1 stream, 512 tokens, greedy: frontend CPU per streamed token ≤ 0.15 ms" in ts
+    # the step profile's slot: not measured in this run
+    (slot,) = (t for name, t in ts.items() if "engine-loop Python" in name)
+    assert math.isnan(slot["measured"]) and slot["met"] is None
+    # issue 6's greedy targets keep their names
+    assert f"8 streams, {shape}: total tok/s ≥ 1.3× og.Engine" in ts
+
+
+def test_runs_from_before_issue14_give_only_the_old_targets() -> None:
+    names = list(_by_name(results(issue14=False)))
+    assert names and not [n for n in names if n.startswith("issue 14")]
+
+
+def test_markdown_has_the_sampled_rows_the_cpu_table_and_the_skipped_sections() -> None:
+    r = results()
+    r["targets"] = report.targets(r)
+    md = report.markdown(r)
+    assert "| 8 | sampled_rep | 130.00 |" in md  # concurrency row per sampling
+    assert "Single stream, sampled (temperature 0.7, top_p 0.9, top_k 50)" in md
+    assert "### The model's full window: one stream, 8064-token prompt + 128" in md
+    assert "### CPU per generated token (ms)" in md
+    assert "| 1 stream, 512 tokens | sampled | 0.12 | 6.00 | 0.20 | 8.50 |" in md
+    assert "llama-server: not measured (no --llama-server binary given)." in md
+    assert "Sampler microbenchmark: not measured" in md
+    assert "0.12 ms | yes |" in md  # a target in ms
+    # issue 14's targets (with the greedy ones it restates) lead the section
+    summary = md[md.index("### Issue 14 targets") : md.index("### Single stream")]
+    assert "sampled: total tok/s ≥ 1.3× og.Engine same sampling | 1.52× | yes |" in summary
+    assert "| 8 streams, 64-token prompts + 256 new tokens: total tok/s ≥ 1.3× og.Engine" in summary
+    assert "### Other targets (issues 4 and 6)" in md
+
+
+def test_markdown_of_a_run_before_issue14_keeps_one_targets_table() -> None:
+    r = results(issue14=False)
+    r["targets"] = report.targets(r)
+    md = report.markdown(r)
+    assert "### Targets" in md and "Issue 14" not in md and "CPU per generated" not in md
+
+
+def test_history_lists_the_issue14_targets(tmp_path: Path) -> None:
+    old, new = results(issue14=False), results()
+    new["meta"]["date"] = "2026-12-02 01:00 UTC"
+    (tmp_path / "a.json").write_text(json.dumps(old))
+    (tmp_path / "b.json").write_text(json.dumps(new))
+    table = history.table(sorted(tmp_path.glob("*.json")))
+    line = next(x for x in table.splitlines() if "sampled: total tok/s ≥ 1.3×" in x)
+    assert line.endswith("| – | 1.52* | 1/1 |")
+
+
+def test_proc_cpu_seconds_counts_this_process_and_nan_for_a_gone_one() -> None:
+    cpu = ProcCpu({"me": [os.getpid()]})
+    end = time.process_time() + 0.05
+    while time.process_time() < end:
+        pass
+    assert cpu.lap()["me"] >= 0.03
+    assert math.isnan(proc_cpu_seconds(2**22 + 12345))
+
+
+def test_completion_body_maps_sampling_onto_llama_server_fields() -> None:
+    greedy = llama.completion_body([1, 2], 8, None)
+    assert greedy["temperature"] == 0.0 and greedy["ignore_eos"] and greedy["prompt"] == [1, 2]
+    params = {"temperature": 0.7, "top_p": 0.9, "top_k": 50, "repetition_penalty": 1.1, "seed": 3}
+    body = llama.completion_body([1], 8, params)
+    assert (body["temperature"], body["top_p"], body["top_k"]) == (0.7, 0.9, 50)
+    assert (body["repeat_penalty"], body["seed"], body["min_p"]) == (1.1, 3, 0.0)
+    assert "repetition_penalty" not in body
+
+
+def test_parse_events_counts_tokens_but_not_the_final_summary() -> None:
+    lines = [
+        b'data: {"content": "a", "tokens": [5], "stop": false}\n',
+        b"\n",
+        b'data: {"content": "bc", "tokens": [6, 7], "stop": false}\n',
+        b'data: {"content": "", "stop": true, "timings": {"predicted_n": 3}}\n',
+    ]
+    events = list(llama.parse_events(iter(lines)))
+    assert [llama.event_tokens(e) for e in events] == [1, 2, 0]
+
+
+def test_llama_server_section_client_against_a_stand_in(tmp_path: Path) -> None:
+    fake = tmp_path / "llama-server"
+    script = ROOT / "tests" / "fake_llama_server.py"
+    fake.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{script}" "$@"\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    server = llama.LlamaServer(fake, tmp_path / "m.gguf", threads=2, start_timeout_s=30)
+    try:
+        one = server.single([1, 2, 3], 5, {"temperature": 0.7, "seed": 1})
+        assert one["tokens"] == 5 and one["server_timings"] == {"predicted_n": 5}
+        many = server.concurrent([[1], [2], [3]], 4)
+        assert [s["tokens"] for s in many["streams"]] == [4, 4, 4]
+        assert all(s["first"] >= many["submit"] for s in many["streams"])
+    finally:
+        rss = server.stop()
+    assert rss["hwm_sum_mb"] > 0
+
+
+def test_a_group_without_processes_is_not_measured_as_idle() -> None:
+    assert math.isnan(ProcCpu({"engine": []}).lap()["engine"])
