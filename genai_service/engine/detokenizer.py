@@ -18,6 +18,7 @@ by constants, never by the sequence length.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import tokenizers
@@ -49,8 +50,9 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int] = (),
         skip_special_tokens: bool = True,
     ) -> None:
-        self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
+        self._decode_nonempty = functools.partial(
+            tokenizer.decode, skip_special_tokens=skip_special_tokens
+        )
         # Special tokens decode to nothing when skipped; dropping them up front
         # keeps them out of the window, so they never displace real context.
         self._skipped: frozenset[int] = (
@@ -82,6 +84,9 @@ class IncrementalDetokenizer:
         """Feed newly generated ids; return only the new, stable text (maybe "")."""
         if self._finished:
             raise RuntimeError("IncrementalDetokenizer.add() after flush()")
+        if len(token_ids) == 1:  # the common call: one decode step's token
+            token_id = token_ids[0]
+            return "" if token_id in self._skipped else self._emit(self._step(token_id))
         new_ids = self._kept(token_ids)
         if len(new_ids) > 1:
             # Fast path for a group: one decode when it ends on a whole character.
@@ -97,7 +102,7 @@ class IncrementalDetokenizer:
 
     def _step(self, token_id: int) -> str:
         self._ids.append(token_id)
-        window = self._decode(self._ids)
+        window = self._decode_nonempty(self._ids)
         start = self._prefix_len + self._held_emitted
         held_tokens = len(self._ids) - self._read
         if window.endswith(_REPLACEMENT):
@@ -186,6 +191,4 @@ class IncrementalDetokenizer:
         return [t for t in token_ids if t not in self._skipped]
 
     def _decode(self, ids: list[int]) -> str:
-        if not ids:
-            return ""
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+        return self._decode_nonempty(ids) if ids else ""

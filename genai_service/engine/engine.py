@@ -140,9 +140,8 @@ class LLMEngine:
             self.spec.eos_token_ids,
             max_constraint_bytes=config.limits.max_constraint_bytes,
         )
-        self.picker = TokenPicker(
-            self.spec.sampling_defaults, self.tokenizer.token_text, self.guidance
-        )
+        self.token_text = self.tokenizer.token_text  # token id -> its text (stop tokens, logprobs)
+        self.picker = TokenPicker(self.spec.sampling_defaults, self.token_text, self.guidance)
         self.speculation = (
             Speculation(config.speculation, self.runner, self.counters)
             if config.speculation.num_tokens
@@ -418,29 +417,9 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> RequestOutput:
         """Append a picked token; apply the stop rules; the token's output."""
-        seq.token_ids.append(token)
-        seq.output_ids.append(token)
-        finish: FinishReason | None
-        constraint_done = self.guidance.consume(seq, token)
-        if token in seq.eos_token_ids:
-            finish, text = FinishReason.EOS_TOKEN, ""
-        elif token in seq.stop_token_ids:
-            finish = FinishReason.STOP_SEQUENCE
-            text = seq.text.finish_at_stop_token(self.tokenizer.token_text(token))
-        else:
-            text = seq.text.add(token)
-            finish = (
-                FinishReason.STOP_SEQUENCE
-                if seq.text.stopped
-                # A complete constraint ends the text as EOS would.
-                else FinishReason.EOS_TOKEN
-                if constraint_done
-                else seq.limit_reached(self.context_length)
-            )
-        if finish is not None and finish is not FinishReason.STOP_SEQUENCE:
-            text += seq.text.finish()  # what the detokenizer and stop matcher held back
-            if seq.text.stopped:
-                finish = FinishReason.STOP_SEQUENCE
+        text, finish = seq.append(
+            token, self.context_length, self.token_text, self.guidance.consume
+        )
         delta = RequestOutput(seq.request_id, (token,), text, (lp,) if lp else ())
         if finish is None:
             return delta
@@ -488,6 +467,8 @@ class LLMEngine:
         per step while others run, and free as many slots as waiting requests
         need now (``KvReuse.store_finished``). Returns the chunks copied."""
         scheduler, finished = self.scheduler, len(self.kv_reuse.finished)
+        if not finished:
+            return 0  # the common step
         # Slots the waiting requests could take that only finished sequences hold.
         free = self.config.scheduler.max_num_seqs - len(scheduler.running) - finished
         must_free = min(finished, scheduler.num_waiting - free)

@@ -13,7 +13,7 @@ import enum
 import itertools
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -78,6 +78,40 @@ class Sequence:
     def num_pending(self) -> int:
         """Tokens whose KV is not computed yet."""
         return len(self.token_ids) - self.num_computed
+
+    def append(
+        self,
+        token: int,
+        context_length: int,
+        token_text: Callable[[int], str],
+        consume: Callable[[Sequence, int], bool],
+    ) -> tuple[str, FinishReason | None]:
+        """Append a picked token and apply the stop rules: the text it makes safe
+        to stream and why the sequence finishes with it, if it does (the text
+        then includes what the detokenizer and stop matcher held back).
+        ``consume(seq, token)`` feeds the token to the request's constraint and
+        says whether it is complete (``Guidance.consume``)."""
+        self.token_ids.append(token)
+        self.output_ids.append(token)
+        constraint_done = consume(self, token)
+        text_out = self.text
+        finish: FinishReason | None
+        if token in self.eos_token_ids:
+            finish, text = FinishReason.EOS_TOKEN, ""
+        elif token in self.stop_token_ids:
+            return text_out.finish_at_stop_token(token_text(token)), FinishReason.STOP_SEQUENCE
+        else:
+            text = text_out.add(token)
+            if text_out.stopped:
+                return text, FinishReason.STOP_SEQUENCE
+            # A complete constraint ends the text as EOS would.
+            finish = (
+                FinishReason.EOS_TOKEN if constraint_done else self.limit_reached(context_length)
+            )
+            if finish is None:
+                return text, None
+        text += text_out.finish()  # a stop string may still complete in the held-back text
+        return text, FinishReason.STOP_SEQUENCE if text_out.stopped else finish
 
     def limit_reached(self, context_length: int) -> FinishReason | None:
         """The limit the sequence has reached, if any: ``max_new_tokens``, the

@@ -50,7 +50,10 @@ class SharedBufferRunner(ModelRunner):
         self.k_buffers = [self._zeros(shape) for _ in range(kv.num_layers)]
         self.v_buffers = [self._zeros(shape) for _ in range(kv.num_layers)]
         self._views: dict[tuple[int, int], list[ort.OrtValue]] = {}
-        self._bindings: dict[tuple[int, int, bool], ort.IOBinding] = {}
+        self._bindings: dict[tuple[int, int, bool, bool], ort.IOBinding] = {}
+        # rows -> the input_ids ([rows, 1]) bound once to the decode binding of
+        # rows [0, rows); a decode step writes its tokens into it in place.
+        self._decode_ids: dict[int, np.ndarray] = {}
         self._slot: dict[int, int] = {}  # seq_id -> slot
         self._owner: list[int | None] = [None] * max_slots  # slot -> seq_id
         self._len: dict[int, int] = {}  # seq_id -> tokens of valid KV
@@ -211,30 +214,44 @@ class SharedBufferRunner(ModelRunner):
         """One token for each of ``decodes`` (slot -> item index) in one call on
         rows ``[0, highest slot]``; returns the logits by row."""
         rows = max(decodes) + 1
-        ids = np.zeros((rows, 1), np.int64)  # dummy rows decode token 0, dropped by the caller
+        binding = self._binding(0, rows, decode=True)
+        ids = self._decode_ids[rows]
+        ids.fill(0)  # dummy rows decode token 0, dropped by the caller
         lens = []
         for slot in range(rows):
             owner = self._owner[slot]
             lens.append(self._len[owner] if owner is not None else 0)
             if slot in decodes:
                 ids[slot, 0] = items[decodes[slot]].token_ids[0]
-        out = self._run(0, rows, ids, lens)[:, -1]
+        out = self._run(0, rows, ids, lens, binding=binding)[:, -1]
         for i in decodes.values():
             self._len[items[i].seq_id] += 1
         return out
 
     def _run(
-        self, lo: int, hi: int, input_ids: np.ndarray, lens: list[int], keep: int = 1
+        self,
+        lo: int,
+        hi: int,
+        input_ids: np.ndarray,
+        lens: list[int],
+        keep: int = 1,
+        binding: ort.IOBinding | None = None,
     ) -> np.ndarray:
         """One ORT call on buffer rows ``[lo, hi)``; returns the logits of the last
-        ``keep`` positions, ``[rows, keep, vocab]``."""
+        ``keep`` positions, ``[rows, keep, vocab]``. ``binding``: a decode binding,
+        whose ``input_ids`` is already bound to ``input_ids``."""
         spec = self.spec
         batch, n_new = input_ids.shape
         total = max(lens) + n_new
         # Right-padded: row b holds lens[b] + n_new real positions.
-        mask = (np.arange(total) < np.asarray(lens)[:, None] + n_new).astype(np.int64)
+        if min(lens) + n_new == total:
+            mask = np.ones((batch, total), np.int64)  # no padding (always so for one row)
+        else:
+            mask = (np.arange(total) < np.asarray(lens)[:, None] + n_new).astype(np.int64)
         wide = keep > 1 and spec.logits_last_only
-        binding = self._binding(lo, hi, wide)
+        if binding is None:
+            binding = self._binding(lo, hi, wide)
+            binding.bind_cpu_input("input_ids", input_ids)
         if wide:
             if spec.num_logits_input is None:
                 raise ValueError("the graph returns only the last position's logits")
@@ -242,7 +259,6 @@ class SharedBufferRunner(ModelRunner):
             # inputs only, and this one has a default.
             keep_value = ort.OrtValue.ortvalue_from_numpy(np.array([keep], np.int64))
             binding.bind_ortvalue_input(spec.num_logits_input, keep_value)
-        binding.bind_cpu_input("input_ids", input_ids)
         if spec.has_attention_mask:
             binding.bind_cpu_input("attention_mask", mask)
         if spec.has_position_ids:
@@ -263,14 +279,20 @@ class SharedBufferRunner(ModelRunner):
         self.session.run_with_iobinding(binding)
         return logits[:, -keep:, :]
 
-    def _binding(self, lo: int, hi: int, wide: bool = False) -> ort.IOBinding:
+    def _binding(self, lo: int, hi: int, wide: bool = False, decode: bool = False) -> ort.IOBinding:
         """An IOBinding with rows ``[lo, hi)`` of the KV buffers bound as both past
         and present; kept per row range, so a step only rebinds its inputs. ``wide``
         bindings also bind ``num_logits_to_keep`` (the others leave its default, 1)
-        and let ORT allocate the logits."""
-        binding = self._bindings.get((lo, hi, wide))
+        and let ORT allocate the logits. ``decode`` bindings (``lo`` 0) have their
+        ``input_ids`` bound once, to ``_decode_ids[hi]``: one ORT bind call less
+        per decode step (the array is contiguous int64, so ORT reads its memory)."""
+        key = (lo, hi, wide, decode)
+        binding = self._bindings.get(key)
         if binding is None:
             binding = self.session.io_binding()
+            if decode:
+                self._decode_ids[hi] = np.zeros((hi - lo, 1), np.int64)
+                binding.bind_cpu_input("input_ids", self._decode_ids[hi])
             if wide:
                 binding.bind_output("logits", "cpu")  # first: get_outputs()[0]
             views = self._ortvalues(lo, hi)
@@ -281,5 +303,5 @@ class SharedBufferRunner(ModelRunner):
                 binding.bind_ortvalue_input(pv, views[2 * layer + 1])
                 binding.bind_ortvalue_output(ok, views[2 * layer])
                 binding.bind_ortvalue_output(ov, views[2 * layer + 1])
-            self._bindings[(lo, hi, wide)] = binding
+            self._bindings[key] = binding
         return binding

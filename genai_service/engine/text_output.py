@@ -35,6 +35,7 @@ class TextOutput:
             tokenizer, context_ids, skip_special_tokens=skip_special_tokens
         )
         self._stops = StopStringMatcher(stop_sequences, include_stop_sequence)
+        self._no_stops = not stop_sequences
         self._include = include_stop_sequence
         self.stop_sequence = ""  # the stop string or stop token's text that ended the text
 
@@ -45,7 +46,9 @@ class TextOutput:
 
     def add(self, token_id: int) -> str:
         """The text that ``token_id`` makes safe to stream (maybe "")."""
-        text, matched = self._stops.feed(self._detokenizer.add([token_id]))
+        if self._no_stops:  # most requests: the matcher would pass the text through
+            return self._detokenizer.add((token_id,))
+        text, matched = self._stops.feed(self._detokenizer.add((token_id,)))
         if matched is not None:
             self.stop_sequence = matched
         return text
