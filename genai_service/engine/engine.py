@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import numpy as np
 import structlog
@@ -25,6 +23,7 @@ from genai_common.errors import GenAIError, Internal, InvalidArgument, ResourceE
 
 from ..config import EngineConfig
 from .constraints import Guidance
+from .in_process import InProcessDriver
 from .kv_chunk_store import KvChunkStore
 from .kv_reuse import KvReuse
 from .model_dir import ModelSpec, load_model_spec
@@ -33,10 +32,8 @@ from .request import (
     EngineInfo,
     FinishReason,
     GenerationRequest,
-    GenerationResult,
     RequestOutput,
     TokenLogprob,
-    collect,
     merge_outputs,
 )
 from .restores import HeldOutputs, ParkedRequests, PendingCall, SessionCalls
@@ -52,8 +49,6 @@ from .validation import resolve_max_new_tokens, validate_request
 log = structlog.get_logger(__name__)
 
 DEFAULT_CONTEXT_LENGTH = 2048  # when neither the graph nor a config says
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -73,7 +68,7 @@ def _step_item(seq: Sequence, tokens: list[int] | tuple[int, ...]) -> StepItem:
     return StepItem(seq.seq_id, tokens, seq.num_computed)
 
 
-class LLMEngine:
+class LLMEngine(InProcessDriver):
     def __init__(
         self,
         config: EngineConfig,
@@ -274,41 +269,6 @@ class LLMEngine:
             return outputs
         computed = self._run(batch)
         return outputs + self._postprocess(computed) + self._drain_pending()
-
-    def run_to_completion(
-        self, requests: Iterable[GenerationRequest]
-    ) -> dict[str, GenerationResult]:
-        """Add ``requests`` and step until all of them finish (tests, benchmarks)."""
-        ids = []
-        for request in requests:
-            self.add_request(request)
-            ids.append(request.request_id)
-        outputs: dict[str, list[RequestOutput]] = {rid: [] for rid in ids}
-        while any(not (o and o[-1].finished) for o in outputs.values()):
-            for out in self.step():
-                if out.request_id in outputs:
-                    outputs[out.request_id].append(out)
-            if self.last_step_idle:
-                time.sleep(0.001)  # waiting on the kvstore, not on compute
-        self.flush_finished()
-        return {rid: collect(outs) for rid, outs in outputs.items()}
-
-    def generate(self, request: GenerationRequest) -> GenerationResult:
-        return self.run_to_completion([request])[request.request_id]
-
-    def wait(self, result: T | PendingCall) -> T:
-        """The answer of a session call, stepping until a pending one is resolved
-        (in-process callers: tests, tools; the engine process answers pending
-        calls from its loop instead)."""
-        if not isinstance(result, PendingCall):
-            return result
-        while not result.done:
-            self.step()
-            if self.last_step_idle:
-                time.sleep(0.001)  # waiting on the kvstore
-        if not result.ok:
-            raise result.value
-        return result.value  # type: ignore[no-any-return]
 
     # sessions: the calls that take a session id answer a ``PendingCall`` when
     # the session must first come from its kvstore record (``SessionCalls``).
