@@ -608,6 +608,16 @@ def markdown(r: Results) -> str:
             ],
         )
     lines += _sampler(r.get("sampler"))
+    lines += _own_table(
+        "Engine loop per decode step (bench/step_profile.py)",
+        "bench.step_profile",
+        r.get("step_profile"),
+    )
+    lines += _own_table(
+        "Structured output: a JSON schema's cost per token (bench/constrained_bench.py)",
+        "bench.constrained_bench",
+        r.get("constrained"),
+    )
     others = [t for t in tg if not (issue14 and t.get("issue14"))]
     if others:
         lines += ["### Other targets (issues 4 and 6)" if issue14 else "### Targets", ""]
@@ -910,6 +920,14 @@ def _cpu_table(r: Results) -> list[str]:
     ] + _table(
         ["measurement", "sampling", "frontend", "engine", "client", "og / llama-server"], rows
     )
+
+
+def _own_table(title: str, module_name: str, result: dict | None) -> list[str]:
+    """A section that renders itself (the module's ``markdown(result)``)."""
+    if not result:
+        return []
+    module = importlib.import_module(module_name)
+    return [f"### {title}", "", *module.markdown(result), ""]
 
 
 def _sampler(result: dict | None) -> list[str]:

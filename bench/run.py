@@ -48,11 +48,13 @@ SECTIONS = (
     "speculation",
     "llama_server",
     "sampler",
+    "step_profile",
+    "constrained",
     "kvstore",
 )
 # Sections run after the engines of the others are gone (they start their own, or
 # time CPU work that the others' idle threads would disturb).
-AFTER_CLOSE = ("sampler", "kvstore")
+AFTER_CLOSE = ("sampler", "step_profile", "constrained", "kvstore")
 DOC = REPO / "docs" / "benchmarks.md"
 DOC_HEADER = """# Benchmarks
 
@@ -238,6 +240,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "sampler" in sections:
         results["sampler"] = sampler_section()
         phases["sampler"] = ledger.lap()
+    if "step_profile" in sections:
+        from . import step_profile  # in-process engines of their own, like the kvstore's
+
+        results["step_profile"] = step_profile.summary(str(model_dir), threads=args.threads)
+        phases["step_profile"] = ledger.lap()
+    if "constrained" in sections:
+        from . import constrained_bench
+
+        results["constrained"] = constrained_bench.measure(
+            str(model_dir),
+            reps=plan.reps,
+            threads=args.threads,
+            new_tokens=64 if args.quick else 128,
+        )
+        phases["constrained"] = ledger.lap()
     if "kvstore" in sections:
         # After the other engines are gone: it starts engines of its own.
         results["kvstore"] = kvstore_section(str(model_dir), plan.reps, args.threads)

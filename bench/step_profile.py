@@ -235,6 +235,59 @@ def report(batch: int, bare: list[dict[str, float]], probed: list[dict[str, floa
     print(f"| engine loop (probed: step minus ort, sampler) | {_median(probed, 'loop'):.1f} | |")
 
 
+def summary(
+    model_dir: str | None = None,
+    batches: tuple[int, ...] = (1, 8),
+    steps: int = 200,
+    threads: int = 2,
+    reps: int = 2,
+) -> dict[str, Any]:
+    """For ``bench.run`` (section "step_profile"): per batch, the bare run's
+    medians in microseconds per step, and the batch-1 engine loop in ms as
+    ``engine_loop_python_ms_per_step`` (issue 14's target)."""
+    from genai_service.convert.default_model import resolve_model
+
+    engine = _engine(str(resolve_model(model_dir or "default", progress=False)), threads)
+    reader, writer = mp.Pipe(duplex=False)
+    drain = mp.get_context("spawn").Process(target=_drain, args=(reader,), daemon=True)
+    drain.start()
+    out: dict[str, Any] = {"steps": steps, "reps": reps, "threads": threads, "by_batch": {}}
+    try:
+        for batch in batches:
+            bare: list[dict[str, float]] = []
+            for _ in range(reps):
+                bare += measure(engine, batch, steps, writer.send, probed=False)
+            out["by_batch"][str(batch)] = {
+                key: _median(bare, key) for key in ("wall", "ort", "sampler", "loop", "pipe")
+            }
+    finally:
+        writer.send_bytes(b"")
+        drain.join(5)
+        engine.close()
+    first = out["by_batch"].get("1")
+    if first is not None:
+        out["engine_loop_python_ms_per_step"] = first["loop"] / 1000.0
+    return out
+
+
+def markdown(result: dict[str, Any]) -> list[str]:
+    lines = [
+        f"In-process `LLMEngine`, default model, {result['threads']} threads, greedy steady "
+        f"decode, {result['reps']} x {result['steps']} steps; this thread's CPU time per "
+        "step (medians, microseconds). The engine loop is `LLMEngine.step` minus the ONNX "
+        "Runtime call and the sampler; the pipe send runs on the outbox thread.",
+        "",
+        "| batch | step wall | ONNX Runtime | sampler | engine loop | pipe send |",
+        "|---|---|---|---|---|---|",
+    ]
+    for batch, row in result["by_batch"].items():
+        lines.append(
+            f"| {batch} | {row['wall']:.0f} | {row['ort']:.0f} | {row['sampler']:.0f} "
+            f"| {row['loop']:.0f} | {row['pipe']:.0f} |"
+        )
+    return [*lines, ""]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default", help="model dir, or 'default'")
