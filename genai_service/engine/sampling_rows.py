@@ -22,13 +22,14 @@ from .sequence import Sequence
 _SAMPLING_DEFAULT_FIELDS = ("top_k", "top_p", "min_p", "repetition_penalty")
 
 
-def plain_greedy(seq: Sequence, pending: int = 0) -> bool:
-    """Greedy with nothing that changes the logits and no logprobs wanted.
-    ``pending``: tokens chosen for ``seq`` but not appended yet (a draft being
-    checked)."""
+def plain_greedy(seq: Sequence, pending: int = 0, masked: bool = False) -> bool:
+    """Greedy with nothing that changes the logits and no logprobs wanted;
+    ``masked``: a constraint's mask may change them (it is then a masked
+    argmax, ``greedy_pick``). ``pending``: tokens chosen for ``seq`` but not
+    appended yet (a draft being checked)."""
     p = seq.request.sampling
     return (
-        seq.matcher is None
+        (masked or seq.matcher is None)
         and p.greedy
         and seq.request.top_logprobs == 0
         and len(seq.output_ids) + pending >= seq.request.stopping.min_new_tokens
@@ -98,6 +99,17 @@ def token_logprob(
     )
 
 
+def greedy_pick(row: np.ndarray, allowed: np.ndarray | None) -> int:
+    """The sampler's greedy choice on ``row`` [vocab] under a mask (None: none):
+    the highest allowed logit, ties to the lowest id; a mask that allows nothing
+    falls back to the raw argmax, as the sampler's all-masked rows do."""
+    if allowed is None:
+        return int(np.argmax(row))
+    masked = np.where(allowed[: row.shape[0]], row, -np.inf)
+    token = int(np.argmax(masked))
+    return token if np.isfinite(masked[token]) else int(np.argmax(row))
+
+
 Picked = tuple[int, TokenLogprob | None]  # a token, and its logprobs if the request wants them
 
 
@@ -134,6 +146,11 @@ class TokenPicker:
             assert self.guidance is not None  # only it makes matchers
             found = self.guidance.masks([s.matcher for s in missing])
             masks.update(zip([s.seq_id for s in missing], found, strict=True))
+        if all(plain_greedy(seq, masked=True) for seq in seqs):
+            # Greedy constrained rows: a masked argmax, as the sampler would pick.
+            return [
+                (greedy_pick(logits[j], masks.get(seq.seq_id)), None) for j, seq in enumerate(seqs)
+            ]
         rows = [sampling_row(seq, self.defaults, allowed=masks.get(seq.seq_id)) for seq in seqs]
         sampled = sampling.sample(logits, sampling.prepare(rows))
         return [self._picked(seq, sampled, j) for j, seq in enumerate(seqs)]
@@ -153,6 +170,8 @@ class TokenPicker:
             allowed = self.guidance.masks([matcher])[0]
             if pending:
                 matcher.rollback(len(pending))
+            if plain_greedy(seq, len(pending), masked=True):
+                return greedy_pick(row, allowed), None
         args = sampling.prepare([sampling_row(seq, self.defaults, pending, allowed)])
         return self._picked(seq, sampling.sample(row[None], args), 0)
 

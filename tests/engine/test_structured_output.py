@@ -248,3 +248,18 @@ def test_invalid_constraints_are_refused_at_admission(
     )
     free = words.generate(GenerationRequest("ok", tuple(encode_words("the cat"))))
     assert free.token_ids and np.all(np.asarray(free.token_ids) >= 0)
+
+
+@pytest.mark.parametrize("kind", ["rope", "gqa"])
+def test_the_greedy_masked_argmax_picks_what_the_sampler_picks(
+    kind: str, bytes_models: dict[str, Path]
+) -> None:
+    # top_logprobs sends a greedy constrained row through the sampler; without it the
+    # engine takes a masked argmax. Both must choose the same tokens.
+    eng = engine(bytes_models[kind])
+    schema = Constraint("json_schema", json.dumps(COMPACT))
+    fast = eng.generate(request("fast", schema))
+    full = eng.generate(request("full", schema, top_logprobs=1))
+    assert fast.token_ids == full.token_ids
+    spec = engine(bytes_models[kind], speculate=4)
+    assert spec.generate(request("spec", schema)).token_ids == fast.token_ids
