@@ -1,19 +1,28 @@
-"""Protobuf <-> dataclass conversion: the only client module that builds or
-reads ``*_pb2`` messages (the client surface never exposes protobuf)."""
+"""Protobuf <-> dataclass conversion: with ``_request`` (how a
+GenerateRequest is built from keyword options), the only client modules that
+build or read ``*_pb2`` messages (the client surface never exposes protobuf)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC
-from typing import Any, TypedDict
+from typing import Any
 
 from google.protobuf import json_format
 
+from genai_client._request import (  # noqa: F401 (the request side, re-exported)
+    GenerateOptions,
+    MessageLike,
+    _tool_call,
+    constraint_proto,
+    generate_request,
+    messages_proto,
+    priority_proto,
+    tool_proto,
+)
 from genai_client.errors import InternalError, error_from_status
 from genai_client.types import (
     BidiEvent,
-    ChatMessage,
     Delta,
     GenerationResult,
     KvLayout,
@@ -21,293 +30,14 @@ from genai_client.types import (
     SessionInfo,
     Token,
     TokenLogprob,
-    Tool,
     ToolCall,
     TopLogprob,
     Usage,
 )
 from genai_proto.genai.v1 import common_pb2, generate_pb2, model_pb2, session_pb2
 
-MessageLike = ChatMessage | Mapping[str, Any] | tuple[str, str]
-
-
-class GenerateOptions(TypedDict, total=False):
-    """Keyword options of every generate call (``generate``, ``stream``,
-    ``bidi().start``, and the same on sessions). ``None`` (or absent) leaves
-    a field unset so the server's default applies. See
-    ``protos/genai/v1/generate.proto`` for exact semantics.
-
-    Input (exactly one of the positional ``prompt``, ``token_ids`` and
-    ``messages``): ``token_ids`` — a token-id prompt used as-is; ``messages`` —
-    chat messages (``ChatMessage``, ``{"role", "content"}`` mappings or
-    ``(role, content)`` pairs) rendered with the model's chat template.
-
-    Sampling: ``temperature`` (None/0: greedy), ``top_k``, ``top_p``,
-    ``min_p``, ``repetition_penalty``, ``frequency_penalty``,
-    ``presence_penalty``, ``seed``.
-
-    Stopping: ``max_new_tokens``, ``min_new_tokens``, ``stop`` (a string or a
-    list of stop sequences), ``stop_token_ids``, ``ignore_eos``,
-    ``include_stop_sequence``, ``time_limit_ms``.
-
-    Other: ``session_id`` (make the request a turn of that session),
-    ``top_logprobs`` (N alternatives per token; 0: no logprobs), ``priority``
-    ("low", "normal" or "high"), ``add_special_tokens``,
-    ``skip_special_tokens``, ``request_id`` (default: the server assigns one;
-    ``bidi().start`` generates one), ``cache_salt`` (only requests with the
-    same salt share reused prompt KV).
-
-    Structured output (at most one): ``json_schema`` (a JSON Schema, as a
-    mapping or JSON text), ``regex``, ``grammar`` (Lark, or GBNF), ``choice``
-    (the allowed answers), ``json_object`` (True: any JSON object).
-
-    Tools (with ``messages``): ``tools`` (``Tool`` objects or mappings, OpenAI's
-    function form accepted) and ``tool_choice`` ("auto", "none", "required"
-    or a tool's name); calls come back as ``GenerationResult.tool_calls``.
-    """
-
-    token_ids: Sequence[int] | None
-    messages: Sequence[MessageLike] | None
-    session_id: str | None
-    max_new_tokens: int | None
-    min_new_tokens: int | None
-    temperature: float | None
-    top_k: int | None
-    top_p: float | None
-    min_p: float | None
-    repetition_penalty: float | None
-    frequency_penalty: float | None
-    presence_penalty: float | None
-    seed: int | None
-    stop: str | Sequence[str] | None
-    stop_token_ids: Sequence[int] | None
-    ignore_eos: bool | None
-    include_stop_sequence: bool | None
-    time_limit_ms: int | None
-    top_logprobs: int | None
-    priority: str | None
-    add_special_tokens: bool | None
-    skip_special_tokens: bool | None
-    request_id: str | None
-    cache_salt: str | None
-    json_schema: Mapping[str, Any] | str | None
-    regex: str | None
-    grammar: str | None
-    choice: Sequence[str] | None
-    json_object: bool | None
-    tools: Sequence[Tool | Mapping[str, Any]] | None
-    tool_choice: str | None
-
-
 _FINISH_PREFIX = "FINISH_REASON_"
 _RUNNER_PREFIX = "RUNNER_KIND_"
-
-
-def _set_optional(message: object, **values: object) -> None:
-    for name, value in values.items():
-        if value is not None:
-            setattr(message, name, value)
-
-
-def _tool_call(call: ToolCall | Mapping[str, Any]) -> common_pb2.ToolCall:
-    if isinstance(call, ToolCall):
-        return common_pb2.ToolCall(id=call.id, name=call.name, arguments_json=call.arguments_json)
-    arguments = call.get("arguments_json", call.get("arguments", {}))
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments)
-    return common_pb2.ToolCall(id=call.get("id", ""), name=call["name"], arguments_json=arguments)
-
-
-def _chat_message(message: MessageLike) -> common_pb2.ChatMessage:
-    if isinstance(message, ChatMessage):
-        return common_pb2.ChatMessage(
-            role=message.role,
-            content=message.content,
-            name=message.name,
-            tool_call_id=message.tool_call_id,
-            tool_calls=[_tool_call(c) for c in message.tool_calls],
-        )
-    if isinstance(message, tuple):
-        role, content = message
-        return common_pb2.ChatMessage(role=role, content=content)
-    return common_pb2.ChatMessage(
-        role=message["role"],
-        content=message["content"],
-        name=message.get("name", ""),
-        tool_call_id=message.get("tool_call_id", ""),
-        tool_calls=[_tool_call(c) for c in message.get("tool_calls", ())],
-    )
-
-
-def tool_proto(tool: Tool | Mapping[str, Any]) -> generate_pb2.Tool:
-    """A ``Tool``, or a mapping with name, description and parameters (a JSON
-    Schema mapping or text; OpenAI's ``{"type": "function", "function": {...}}``
-    form too)."""
-    if isinstance(tool, Tool):
-        name, description, parameters = tool.name, tool.description, tool.parameters
-    else:
-        spec = tool.get("function", tool)
-        name, description = spec["name"], spec.get("description", "")
-        parameters = spec.get("parameters")
-    if parameters is not None and not isinstance(parameters, str):
-        parameters = json.dumps(parameters)
-    return generate_pb2.Tool(
-        name=name, description=description, parameters_json_schema=parameters or ""
-    )
-
-
-def messages_proto(messages: Iterable[MessageLike]) -> common_pb2.Messages:
-    return common_pb2.Messages(messages=[_chat_message(m) for m in messages])
-
-
-def priority_proto(priority: str | None) -> common_pb2.Priority:
-    if priority is None:
-        return common_pb2.PRIORITY_UNSPECIFIED
-    name = priority.upper().removeprefix("PRIORITY_")
-    try:
-        return common_pb2.Priority.Value("PRIORITY_" + name)
-    except ValueError:
-        raise ValueError(f"priority {priority!r} is not one of 'low', 'normal', 'high'") from None
-
-
-def generate_request(
-    prompt: str | None = None,
-    *,
-    token_ids: Sequence[int] | None = None,
-    messages: Sequence[MessageLike] | None = None,
-    session_id: str | None = None,
-    max_new_tokens: int | None = None,
-    min_new_tokens: int | None = None,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-    repetition_penalty: float | None = None,
-    frequency_penalty: float | None = None,
-    presence_penalty: float | None = None,
-    seed: int | None = None,
-    stop: str | Sequence[str] | None = None,
-    stop_token_ids: Sequence[int] | None = None,
-    ignore_eos: bool | None = None,
-    include_stop_sequence: bool | None = None,
-    time_limit_ms: int | None = None,
-    top_logprobs: int | None = None,
-    priority: str | None = None,
-    add_special_tokens: bool | None = None,
-    skip_special_tokens: bool | None = None,
-    request_id: str | None = None,
-    cache_salt: str | None = None,
-    json_schema: Mapping[str, Any] | str | None = None,
-    regex: str | None = None,
-    grammar: str | None = None,
-    choice: Sequence[str] | None = None,
-    json_object: bool | None = None,
-    tools: Sequence[Tool | Mapping[str, Any]] | None = None,
-    tool_choice: str | None = None,
-) -> generate_pb2.GenerateRequest:
-    """Build a GenerateRequest; ``None`` leaves a field unset (server default)."""
-    given = [
-        name
-        for name, value in (("prompt", prompt), ("token_ids", token_ids), ("messages", messages))
-        if value is not None
-    ]
-    if len(given) != 1:
-        raise ValueError(
-            "give exactly one of prompt, token_ids, messages"
-            + (f" (got {', '.join(given)})" if given else "")
-        )
-    request = generate_pb2.GenerateRequest(
-        request_id=request_id or "",
-        session_id=session_id or "",
-        top_logprobs=top_logprobs or 0,
-        priority=priority_proto(priority),
-    )
-    if prompt is not None:
-        request.text = prompt
-    elif token_ids is not None:
-        request.token_ids.ids.extend(token_ids)
-    elif messages is not None:
-        request.messages.CopyFrom(messages_proto(messages))
-    _set_optional(
-        request,
-        add_special_tokens=add_special_tokens,
-        skip_special_tokens=skip_special_tokens,
-        cache_salt=cache_salt,
-    )
-    sampling = generate_pb2.SamplingParams()
-    _set_optional(
-        sampling,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
-        frequency_penalty=frequency_penalty,
-        presence_penalty=presence_penalty,
-        seed=seed,
-    )
-    if sampling.ListFields():
-        request.sampling.CopyFrom(sampling)
-    stopping = generate_pb2.StoppingCriteria()
-    _set_optional(
-        stopping,
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=min_new_tokens,
-        ignore_eos=ignore_eos,
-        include_stop_sequence=include_stop_sequence,
-        time_limit_ms=time_limit_ms,
-    )
-    if stop is not None:
-        stopping.stop_sequences.extend([stop] if isinstance(stop, str) else stop)
-    if stop_token_ids is not None:
-        stopping.stop_token_ids.extend(stop_token_ids)
-    if stopping.ListFields():
-        request.stopping.CopyFrom(stopping)
-    constraint = constraint_proto(json_schema, regex, grammar, choice, json_object)
-    if constraint is not None:
-        request.constraint.CopyFrom(constraint)
-    if tools:
-        request.tools.extend(tool_proto(t) for t in tools)
-    if tool_choice is not None:
-        request.tool_choice = tool_choice
-    return request
-
-
-def constraint_proto(
-    json_schema: Mapping[str, Any] | str | None = None,
-    regex: str | None = None,
-    grammar: str | None = None,
-    choice: Sequence[str] | None = None,
-    json_object: bool | None = None,
-) -> generate_pb2.Constraint | None:
-    """The request's Constraint from the structured-output options (at most one)."""
-    given = {
-        name: value
-        for name, value in (
-            ("json_schema", json_schema),
-            ("regex", regex),
-            ("grammar", grammar),
-            ("choice", choice),
-            ("json_object", json_object or None),
-        )
-        if value is not None
-    }
-    if not given:
-        return None
-    if len(given) > 1:
-        raise ValueError(f"give at most one constraint (got {', '.join(given)})")
-    if json_schema is not None:
-        text = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
-        return generate_pb2.Constraint(json_schema=text)
-    if regex is not None:
-        return generate_pb2.Constraint(regex=regex)
-    if grammar is not None:
-        return generate_pb2.Constraint(grammar=grammar)
-    if choice is not None:
-        if isinstance(choice, str):
-            raise ValueError("choice: give a list of strings, not one string")
-        return generate_pb2.Constraint(choice=generate_pb2.Choice(choices=list(choice)))
-    return generate_pb2.Constraint(json_object=True)
 
 
 # --- generation results ------------------------------------------------------

@@ -41,13 +41,8 @@ import numpy as np
 
 from genai_service.engine.request import SamplingParams
 
-# A top-k row's k-th largest logit is bounded from below by the maxima of this
-# many strided groups of its tokens (at least 4 k groups).
-_KTH_GROUPS = 1024
-# Tokens per block of the two-level inverse-CDF draw (about sqrt(vocab)).
-_DRAW_BLOCK = 256
-_NO_IDS = np.zeros(0, dtype=np.int64)
-_NO_VALS = np.zeros(0, dtype=np.float32)
+from . import sampler_kernels as kernels
+from .sampler_kernels import DRAW_BLOCK, NO_IDS, NO_VALS
 
 
 @dataclass
@@ -271,7 +266,7 @@ def _sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingAr
     are the same bit for bit whichever form a row takes.
     """
     n, v = s.size, x.shape[1]
-    xs = _rows(x, s)  # [S, V]; a view when every row samples, so read only
+    xs = kernels.take_rows(x, s)  # [S, V]; a view when every row samples, so read only
     t = args.temperature[s]  # [S] float32, > 0
     m = xs.max(axis=1) / t  # == max(xs / t): dividing by t > 0 keeps the order
     live = np.isfinite(m)  # else everything masked (or NaN/inf): raw argmax
@@ -289,7 +284,7 @@ def _sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingAr
     kr = np.flatnonzero((k > 0) & (k < v) & live)
     survivors = None
     if kr.size:
-        kth, rr, cc, vals = _kth_largest(_rows(xs, kr), k[kr])
+        kth, rr, cc, vals = kernels.kth_largest(kernels.take_rows(xs, kr), k[kr])
         floor[kr] = np.maximum(floor[kr], kth / t[kr])  # the k-th largest of xs / t
         survivors = (kr[rr], cc, vals)
 
@@ -297,27 +292,27 @@ def _sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingAr
     # with a finite floor; top-k rows take them from the survivors of their
     # k-th-largest search, min-p-only rows from one compare.
     cut = np.isfinite(floor) & live
-    rows_c = cols_c = _NO_IDS
-    e_c = _NO_VALS
+    rows_c = cols_c = NO_IDS
+    e_c = NO_VALS
     if cut.any():
-        rows_c, cols_c, e_c = _candidates(xs, t, m, floor, cut, kr, survivors)
+        rows_c, cols_c, e_c = kernels.candidates(xs, t, m, floor, cut, kr, survivors)
 
-    # Mass per block of _DRAW_BLOCK tokens and its running total, [S, nb]:
+    # Mass per block of DRAW_BLOCK tokens and its running total, [S, nb]:
     # the top-p target and the first level of the draw. (Every reduction here
     # is confined to one row, so a row's result never depends on the batch.)
-    nb = -(-v // _DRAW_BLOCK)
+    nb = -(-v // DRAW_BLOCK)
     blocks = np.zeros((n, nb), dtype=np.float32)
     dn = np.flatnonzero(live & ~cut)  # rows with nothing cut: the whole vocabulary
     dense_of = np.full(n, -1, dtype=np.int64)  # row -> its row of ``ed``
     dense_of[dn] = np.arange(dn.size)
-    padded = np.zeros((dn.size, nb * _DRAW_BLOCK), dtype=np.float32)  # [D, nb * 256]
+    padded = np.zeros((dn.size, nb * DRAW_BLOCK), dtype=np.float32)  # [D, nb * 256]
     ed = padded[:, :v]  # [D, V]; the padding stays 0
     if dn.size:
-        np.divide(_rows(xs, dn), t[dn, None], out=ed)
+        np.divide(kernels.take_rows(xs, dn), t[dn, None], out=ed)
         ed -= m[dn, None]
         np.exp(ed, out=ed)
-        blocks[dn] = np.add.reduceat(ed, np.arange(0, v, _DRAW_BLOCK), axis=1)
-    _set_block_sums(blocks, rows_c, cols_c, e_c, v)
+        blocks[dn] = np.add.reduceat(ed, np.arange(0, v, DRAW_BLOCK), axis=1)
+    kernels.set_block_sums(blocks, rows_c, cols_c, e_c, v)
     cum = np.zeros((n, nb + 1))  # cum[:, j + 1]: mass of blocks 0..j, float64
     np.cumsum(blocks, axis=1, dtype=np.float64, out=cum[:, 1:])
 
@@ -327,18 +322,22 @@ def _sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingAr
     if pr.any():
         target = top_p * cum[:, -1]
         on = pr[rows_c]
-        pfloor, _ = _nucleus(rows_c[on], e_c[on], target, n)  # 0 where not cut
+        pfloor, _ = kernels.nucleus(rows_c[on], e_c[on], target, n)  # 0 where not cut
         on = e_c >= pfloor[rows_c]
         parts = [(rows_c[on], cols_c[on], e_c[on])]
         dp = np.flatnonzero(pr[dn])  # dense top-p rows, positions in ``dn``
         if dp.size:
-            parts.append(_dense_nucleus(_rows(ed, dp), dn[dp], cum[dn[dp], -1], top_p[dn[dp]]))
+            parts.append(
+                kernels.dense_nucleus(
+                    kernels.take_rows(ed, dp), dn[dp], cum[dn[dp], -1], top_p[dn[dp]]
+                )
+            )
             dense_of[parts[-1][0]] = -1  # now candidate lists
         if dp.size or not on.all():
-            rows_c, cols_c, e_c = _concat_rows(parts)
+            rows_c, cols_c, e_c = kernels.concat_rows(parts)
             changed = np.flatnonzero(pr & (dense_of < 0))
             blocks[changed] = 0.0
-            _set_block_sums(blocks, rows_c, cols_c, e_c, v)
+            kernels.set_block_sums(blocks, rows_c, cols_c, e_c, v)
             cum[changed, 1:] = np.cumsum(blocks[changed], axis=1, dtype=np.float64)
 
     # Inverse CDF in token-id order with one uniform per row, in two levels
@@ -355,233 +354,21 @@ def _sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingAr
         b[empty] = np.maximum(last[empty, b[empty]], 0)
     goal -= cum[at, b]
     # Each row's chosen block [S, 256], then the token within it.
-    part = np.zeros((n, _DRAW_BLOCK), dtype=np.float32)
+    part = np.zeros((n, DRAW_BLOCK), dtype=np.float32)
     dense = dn[dense_of[dn] >= 0]  # (top-p turned the others into lists)
     if dense.size:
-        part[dense] = padded.reshape(dn.size, nb, _DRAW_BLOCK)[dense_of[dense], b[dense]]
+        part[dense] = padded.reshape(dn.size, nb, DRAW_BLOCK)[dense_of[dense], b[dense]]
     if rows_c.size:
-        on = cols_c // _DRAW_BLOCK == b[rows_c]  # (no listed row is dense)
-        part[rows_c[on], cols_c[on] % _DRAW_BLOCK] = e_c[on]
+        on = cols_c // DRAW_BLOCK == b[rows_c]  # (no listed row is dense)
+        part[rows_c[on], cols_c[on] % DRAW_BLOCK] = e_c[on]
     inner = np.cumsum(part, axis=1, dtype=np.float64)
     j = np.count_nonzero(inner <= goal[:, None], axis=1)
-    for i in np.flatnonzero(ok & (j >= _DRAW_BLOCK)):  # rounding: the block's last token with mass
+    for i in np.flatnonzero(ok & (j >= DRAW_BLOCK)):  # rounding: the block's last token with mass
         j[i] = np.flatnonzero(part[i])[-1]
-    out = b * _DRAW_BLOCK + j
+    out = b * DRAW_BLOCK + j
     if not ok.all():
         out[~ok] = raw[s[~ok]].argmax(axis=1)
     return out
-
-
-def _candidates(
-    xs: np.ndarray,
-    t: np.ndarray,
-    m: np.ndarray,
-    floor: np.ndarray,
-    cut: np.ndarray,
-    kr: np.ndarray,
-    survivors: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The kept tokens of the rows ``cut`` (those with a finite ``floor``) as
-    (row, token, exp(xs / t - m)) lists in row-then-token order: the same
-    float32 operations per token as on a dense row."""
-    parts = []
-    if survivors is not None:
-        on = cut[survivors[0]]
-        parts.append((survivors[0][on], survivors[1][on], survivors[2][on]))
-    plain = cut.copy()
-    plain[kr] = False
-    mo = np.flatnonzero(plain)  # min-p without top-k
-    if mo.size:
-        xm = _rows(xs, mo)
-        rr, cc = _where(xm >= _below(floor[mo].astype(np.float64) * t[mo])[:, None])
-        parts.append((mo[rr], cc, xm[rr, cc]))
-    rows, cols, x = _concat_rows(parts)
-    xt = x / t[rows]
-    on = xt >= floor[rows]
-    rows, cols = rows[on], cols[on]
-    e = np.exp(xt[on] - m[rows])  # [N] unnormalised probabilities exp(x - max)
-    on = e > 0  # (an underflow adds nothing anywhere)
-    return rows[on], cols[on], e[on]
-
-
-def _rows(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
-    """``a[idx]``, or ``a`` itself (no copy) when ``idx`` is every row in order."""
-    return a if idx.size == a.shape[0] else a[idx]
-
-
-def _where(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``np.nonzero`` of a [R, V] mask (row-then-column order), several times
-    faster: one flat scan instead of a multi-index walk."""
-    flat = np.flatnonzero(mask)
-    return np.divmod(flat, mask.shape[1])
-
-
-def _below(bound: np.ndarray) -> np.ndarray:
-    """A float32 lower bound on every x whose ``x / t`` rounds to at least
-    ``bound / t`` (given ``bound`` in x units): a relative margin far wider
-    than float32 rounding, so a pre-filter at it never drops a token."""
-    lo = (bound - (np.abs(bound) * 1e-5 + 1e-30)).astype(np.float32)
-    return np.nextafter(lo, np.float32(-np.inf))
-
-
-def _concat_rows(
-    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Join (row, token, value) lists of disjoint rows, each in row-then-token
-    order, into one list in that order."""
-    if not parts:
-        return _NO_IDS, _NO_IDS, _NO_VALS
-    if len(parts) == 1:
-        return parts[0]
-    r, c, val = (np.concatenate(p) for p in zip(*parts, strict=True))
-    order = np.argsort(r, kind="stable")
-    return r[order], c[order], val[order]
-
-
-def _kth_largest(
-    x: np.ndarray, k: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per row of ``x`` [K, V] its ``k``-th largest value [K], and the
-    ``_top_survivors`` it was ranked among (a superset of the tokens a cut at
-    it keeps, ties and rounding included)."""
-    rr, cc, vals = _top_survivors(x, k)
-    counts = np.bincount(rr, minlength=x.shape[0])
-    kth = _sorted_desc(rr, vals)[1][np.cumsum(counts) - counts + k - 1]
-    return kth, rr, cc, vals
-
-
-def _top_survivors(x: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every entry (row, token, value; row-then-token order) of ``x`` [K, V]
-    at or above a lower bound of its row's ``k``-th largest value, less a
-    margin wider than the rounding of a division by the temperature.
-
-    Any k entries of a row bound its k-th largest from below; the maxima of
-    ``_KTH_GROUPS`` strided groups are a cheap such set that is nearly the
-    top one, so one compare leaves few survivors to rank."""
-    kk, v = x.shape
-    kmax = int(k.max())
-    cols = max(_KTH_GROUPS, 4 * kmax)
-    per = v // cols
-    heads = x
-    if per >= 2:
-        heads = x[:, : per * cols].reshape(kk, per, cols).max(axis=1)  # [K, cols]
-        if per * cols < v:
-            heads = np.concatenate([heads, x[:, per * cols :]], axis=1)
-    h = heads.shape[1]
-    top = np.partition(heads, h - kmax, axis=1)[:, h - kmax :]  # [K, kmax] largest, unsorted
-    top.sort(axis=1)
-    bound = top[np.arange(kk), kmax - k]
-    mask = x >= _below(bound.astype(np.float64))[:, None]  # [K, V]
-    short = np.count_nonzero(mask, axis=1) < k  # NaN or inf in the row (raw logits only)
-    if short.any():
-        mask[short] = True
-    rr, cc = _where(mask)
-    return rr, cc, x[rr, cc]
-
-
-def _sorted_desc(rows: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(rows, vals)`` (float32, no NaN) sorted by row, then value largest
-    first. Long lists sort int64 keys (row, order-preserving bits of the
-    value) once: ``np.lexsort`` is fine on a few hundred entries but an order
-    of magnitude slower on tens of thousands."""
-    if rows.size <= 1024:
-        order = np.lexsort((-vals, rows))
-        return rows[order], vals[order]
-    bits = vals.view(np.uint32).astype(np.int64)
-    up = np.where(bits >= 2**31, 2**32 - 1 - bits, bits + 2**31)  # ascending with the value
-    key = np.sort((rows.astype(np.int64) << 32) | (2**32 - 1 - up))
-    up = 2**32 - 1 - (key & (2**32 - 1))
-    bits = np.where(up >= 2**31, up - 2**31, 2**32 - 1 - up)
-    return key >> 32, bits.astype(np.uint32).view(np.float32)
-
-
-def _set_block_sums(
-    blocks: np.ndarray, rows: np.ndarray, cols: np.ndarray, e: np.ndarray, v: int
-) -> None:
-    """``blocks[r, j]`` = the mass of block j of row r's candidates (row-then-
-    token order), summed exactly as ``np.add.reduceat`` sums the dense row:
-    each touched block is laid out whole, zeros for the other tokens."""
-    if not rows.size:
-        return
-    nb = blocks.shape[1]
-    key = rows * nb + cols // _DRAW_BLOCK
-    new = np.concatenate(([True], key[1:] != key[:-1]))
-    if new.all():  # one token per block (a small nucleus): its mass is the token's
-        blocks.reshape(-1)[key] = e
-        return
-    seg = np.cumsum(new) - 1  # segment of each candidate
-    first = key[new]
-    size = np.minimum(_DRAW_BLOCK, v - (first % nb) * _DRAW_BLOCK)  # the last block is short
-    start = np.cumsum(size) - size
-    buf = np.zeros(int(size.sum()), dtype=np.float32)
-    buf[start[seg] + cols % _DRAW_BLOCK] = e
-    blocks.reshape(-1)[first] = np.add.reduceat(buf, start)
-
-
-def _nucleus(
-    rows: np.ndarray, e: np.ndarray, target: np.ndarray, n: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Per row (of ``n``) of the lists ``rows``/``e`` (unnormalised
-    probabilities), the value of the last token of the smallest most-likely-
-    first set whose mass reaches ``target`` [n]; ties at that value are all
-    kept by the caller. Also whether it was reached: 0 where not (rounding, or
-    a row without entries), which keeps everything."""
-    out = np.zeros(n, dtype=np.float32)
-    found = np.zeros(n, dtype=bool)
-    if not rows.size:
-        return out, found
-    r, val = _sorted_desc(rows, e)
-    counts = np.bincount(r, minlength=n)
-    have = np.flatnonzero(counts)
-    slot = np.cumsum(counts > 0) - 1  # row -> its line of ``head``
-    starts = np.cumsum(counts) - counts
-    head = np.zeros((have.size, int(counts.max())), dtype=np.float32)  # zero padded
-    head[slot[r], np.arange(r.size) - starts[r]] = val
-    reached = np.cumsum(head, axis=1, dtype=np.float64) >= target[have, None]
-    hit = reached.any(axis=1)
-    found[have] = hit
-    out[have[hit]] = head[hit, reached[hit].argmax(axis=1)]
-    return out, found
-
-
-def _dense_nucleus(
-    e: np.ndarray, rows: np.ndarray, mass: np.ndarray, top_p: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Top-p of whole-vocabulary rows ``e`` [P, V] (unnormalised probabilities,
-    at most 1, of total ``mass`` [P], sampler rows ``rows``): their kept tokens
-    as (row, token, value) lists.
-
-    The nucleus is ranked among the tokens above a threshold, lowered until it
-    holds the nucleus: first fractions of the top probability, then
-    (1 - top_p) * mass / V (the tokens below that hold less than 1 - top_p of
-    the mass together), then, where rounding still defeats it, the whole row."""
-    p, v = e.shape
-    target = top_p * mass
-    floor = np.zeros(p, dtype=np.float32)
-    left = np.arange(p)  # rows whose nucleus is not found yet
-    parts = []
-    for level in (2.0**-7, 2.0**-14, None):
-        if level is None:
-            thr = ((1.0 - top_p[left]) * mass[left] / v).astype(np.float32)
-        else:
-            thr = np.full(left.size, level, dtype=np.float32)
-        sub = _rows(e, left)
-        rr, cc = _where(sub >= thr[:, None])
-        vals = sub[rr, cc]
-        f, found = _nucleus(rr, vals, target[left], left.size)
-        on = found[rr] & (vals >= f[rr])
-        parts.append((rows[left[rr[on]]], cc[on], vals[on]))
-        floor[left] = f
-        left = left[~found]
-        if not left.size:
-            break
-    for i in left:  # the bound fell short: a full sort decides
-        full = np.sort(e[i])[::-1]
-        hit = np.cumsum(full, dtype=np.float64) >= target[i]
-        last = full[hit.argmax()] if hit.any() else np.float32(0.0)
-        ids = np.flatnonzero((e[i] >= last) & (e[i] > 0))
-        parts.append((np.full(ids.size, rows[i]), ids, e[i, ids]))
-    return _concat_rows(parts)
 
 
 def _logprobs(
@@ -607,7 +394,9 @@ def _logprobs(
     t = np.flatnonzero(n_top[lr] > 0)  # positions in lr
     if t.size:
         want = n_top[lr[t]]
-        rr, cc, vals = _top_survivors(_rows(r, t), want)  # every top-n token, ties included
+        rr, cc, vals = kernels.top_survivors(
+            kernels.take_rows(r, t), want
+        )  # every top-n token, ties included
         order = np.lexsort((cc, -vals, rr))  # per row most likely first, ties by lowest id
         rr, cc, vals = rr[order], cc[order], vals[order]
         counts = np.bincount(rr, minlength=t.size)
