@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from .procs import RssMonitor, free_port, stop_tree
+from .procs import RssMonitor, free_port, log_tail, stop_tree
 from .workload import stream_stats
 
 SLOTS = 8
@@ -128,11 +128,7 @@ class LlamaServer:
         raise TimeoutError(f"llama-server not ready after {timeout_s}s:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            text = Path(self._log.name).read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+        return log_tail(self._log.name, lines)
 
     def _stream(
         self, ids: Sequence[int], new_tokens: int, sampling: dict | None

@@ -25,7 +25,7 @@ from genai_service.config import EngineConfig, RunnerConfig, SchedulerConfig
 from genai_service.engine.engine import LLMEngine
 from genai_service.engine.request import GenerationRequest, StoppingCriteria
 
-from .procs import REPO, RssMonitor, engine_pids, free_port, stop_tree
+from .procs import REPO, RssMonitor, engine_pids, free_port, log_tail, stop_tree
 from .workload import stream_stats
 
 # Server defaults (genai-server --max-num-seqs / --max-batched-tokens), used in-process too.
@@ -179,11 +179,7 @@ class ServerProcess:
         raise TimeoutError(f"genai-server not SERVING after {timeout_s}s:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            text = Path(self._log.name).read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+        return log_tail(self._log.name, lines)
 
     def stop(self) -> dict:
         """Stop the server; returns its peak RSS figures (read just before stopping)."""

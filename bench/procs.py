@@ -74,6 +74,15 @@ def versions() -> dict:
     }
 
 
+def log_tail(path: str | Path, lines: int = 30) -> str:
+    """The last ``lines`` lines of a child's log file ("" if it cannot be read)."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
 def proc_status_bytes(pid: int, field: str) -> int:
     """A kB field of ``/proc/PID/status`` (``VmHWM``, ``VmRSS``) in bytes; 0 if unreadable."""
     with contextlib.suppress(OSError, ValueError):

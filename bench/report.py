@@ -675,23 +675,30 @@ def _single_sampled(name: str, s: dict) -> list[str]:
         "(best of share_buffer true/false, per metric):",
         "",
     ]
-    rows = []
-    for length in sorted(s["ours_server"], key=int):
-        sv, og = s["ours_server"][length], s["og_best"][length]
-        rows.append(
-            [
-                length,
-                sv["ttft_s"],
-                og["ttft_s"],
-                _ratio(sv["ttft_s"], og["ttft_s"]),
-                sv["decode_tok_s"],
-                og["decode_tok_s"],
-                _ratio(sv["decode_tok_s"], og["decode_tok_s"]),
-            ]
-        )
-    return lines + _table(
+    pairs = [
+        (length, s["ours_server"][length], s["og_best"][length])
+        for length in sorted(s["ours_server"], key=int)
+    ]
+    return lines + _server_vs_og("prompt", pairs)
+
+
+def _server_vs_og(first: str, pairs: list[tuple[Any, dict, dict]]) -> list[str]:
+    """A table of TTFT and decode, server against og, one row per (label, ours, og)."""
+    rows = [
         [
-            "prompt",
+            label,
+            ours["ttft_s"],
+            og["ttft_s"],
+            _ratio(ours["ttft_s"], og["ttft_s"]),
+            ours["decode_tok_s"],
+            og["decode_tok_s"],
+            _ratio(ours["decode_tok_s"], og["decode_tok_s"]),
+        ]
+        for label, ours, og in pairs
+    ]
+    return _table(
+        [
+            first,
             "TTFT server (s)",
             "TTFT og (s)",
             "server/og",
@@ -768,32 +775,8 @@ def _long(lg: dict) -> list[str]:
         + ".",
         "",
     ]
-    rows = []
-    for name, by in lg["samplings"].items():
-        o, g = by["ours_server"], by["og"]
-        rows.append(
-            [
-                name,
-                o["ttft_s"],
-                g["ttft_s"],
-                _ratio(o["ttft_s"], g["ttft_s"]),
-                o["decode_tok_s"],
-                g["decode_tok_s"],
-                _ratio(o["decode_tok_s"], g["decode_tok_s"]),
-            ]
-        )
-    return lines + _table(
-        [
-            "sampling",
-            "TTFT server (s)",
-            "TTFT og (s)",
-            "server/og",
-            "decode server (tok/s)",
-            "decode og (tok/s)",
-            "server/og",
-        ],
-        rows,
-    )
+    pairs = [(name, by["ours_server"], by["og"]) for name, by in lg["samplings"].items()]
+    return lines + _server_vs_og("sampling", pairs)
 
 
 def _llama(ll: dict | None) -> list[str]:
