@@ -26,12 +26,23 @@ def status_code(error: GenAIError) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, error.code, grpc.StatusCode.INTERNAL)
 
 
+# A failed call's message travels in grpc-message and twice more, base64, in
+# grpc-status-details-bin; clients refuse metadata over 16 KiB in all, so the
+# message (a parser's can repeat the input several times) is cut here.
+MAX_MESSAGE_CHARS = 2048
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 1] + "\u2026"
+
+
 def rpc_status_of(error: GenAIError) -> status_pb2.Status:
-    """``error`` as a google.rpc.Status: code, message, and for a bad argument
-    a BadRequest naming the field."""
-    status = status_pb2.Status(code=status_code(error).value[0], message=error.message)
+    """``error`` as a google.rpc.Status: code, message (at most
+    ``MAX_MESSAGE_CHARS``), and for a bad argument a BadRequest naming the field."""
+    status = status_pb2.Status(code=status_code(error).value[0], message=_cut(error.message))
     if isinstance(error, InvalidArgument):
         field, description = error.field_violation()
+        description = _cut(description)
         detail = any_pb2.Any()
         detail.Pack(
             error_details_pb2.BadRequest(

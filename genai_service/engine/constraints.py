@@ -32,7 +32,7 @@ import tokenizers
 from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 from llguidance.numpy import fill_next_token_bitmask_par
 
-from genai_common.errors import InvalidArgument
+from genai_common.errors import Internal, InvalidArgument
 
 from .request import Constraint
 
@@ -48,6 +48,17 @@ GRAMMAR_CACHE_ENTRIES = 64
 # small model sampling freely otherwise wanders into endless newlines before
 # the next key. A schema's own "x-guidance" options take precedence.
 JSON_DEFAULTS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,12}"}
+
+
+# A parser's message quotes the input (often several times); this much is kept.
+MAX_PARSER_MESSAGE_CHARS = 1024
+
+
+def _short(message: str) -> str:
+    message = message.strip()
+    if len(message) <= MAX_PARSER_MESSAGE_CHARS:
+        return message
+    return message[: MAX_PARSER_MESSAGE_CHARS - 1] + "\u2026"
 
 
 def constraint_size(constraint: Constraint) -> int:
@@ -88,9 +99,13 @@ def grammar_text(constraint: Constraint) -> str:
             schema = json.loads(value)
         except ValueError as e:
             raise InvalidArgument(f"{field}: not valid JSON: {e}") from e
-        if not isinstance(schema, dict | bool):
+        if schema is False:
+            raise InvalidArgument(f"{field}: false matches no JSON value")
+        if schema is True:
+            schema, value = {}, "{}"  # any JSON value
+        if not isinstance(schema, dict):
             raise InvalidArgument(f"{field}: a JSON Schema is an object or a boolean")
-        options = schema.get("x-guidance") if isinstance(schema, dict) else None
+        options = schema.get("x-guidance")
         if isinstance(options, dict) and any(k.startswith("whitespace") for k in options):
             return matcher.grammar_from_json_schema(value)  # the schema says how
         return matcher.grammar_from_json_schema(value, defaults=JSON_DEFAULTS)  # type: ignore[arg-type]
@@ -106,7 +121,7 @@ def grammar_text(constraint: Constraint) -> str:
     try:
         return matcher.grammar_from_lark(any_to_lark(value))  # GBNF is converted
     except GbnfToLarkError as e:
-        raise InvalidArgument(f"{field}: not a valid GBNF grammar: {e}") from e
+        raise InvalidArgument(f"{field}: not a valid GBNF grammar: {_short(str(e))}") from e
 
 
 class Guidance:
@@ -160,16 +175,19 @@ class Guidance:
                 f"constraint: this model's tokenizer cannot be used for structured output "
                 f"(llguidance: {self.unsupported})"
             )
-        grammar = grammar_text(constraint)
         field = f"constraint.{constraint.kind}"
+        try:
+            grammar = grammar_text(constraint)
+        except ValueError as e:  # llguidance refusing the text before compiling it
+            raise InvalidArgument(f"{field}: {_short(str(e))}") from e
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
             grammar, self.tokenizer
         )
         if is_error:
-            raise InvalidArgument(f"{field}: {messages[0].strip()}")
+            raise InvalidArgument(f"{field}: {_short(messages[0])}")
         template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if template.is_error():
-            raise InvalidArgument(f"{field}: {template.get_error().strip()}")
+            raise InvalidArgument(f"{field}: {_short(template.get_error())}")
         self.counters["grammars_compiled"] += 1
         self._compiled[key] = template
         while len(self._compiled) > self._cache_entries:
@@ -202,13 +220,17 @@ class Guidance:
     @staticmethod
     def consume(seq: Seq, token: int) -> bool:
         """Feed the picked ``token`` to ``seq``'s matcher; True when the
-        constraint is now complete and allows nothing more (or cannot go on),
-        which ends the request."""
+        constraint is now complete and allows nothing more, which ends the
+        request; ``Internal`` when the matcher is in its error state."""
         matcher = seq.matcher
         if matcher is None:
             return False
-        if not matcher.consume_token(token):  # a masked pick never fails
-            raise RuntimeError(f"constraint rejected token {token}: {matcher.get_error()}")
+        # A masked pick never fails; a matcher that broke (llguidance's limits,
+        # a bug) fails its own request, never the engine.
+        if not matcher.consume_token(token) or matcher.is_error():
+            raise Internal(
+                f"constraint: the matcher failed at token {token}: {_short(matcher.get_error())}"
+            )
         return bool(matcher.is_stopped())
 
     def masks(self, matchers: Sequence[llguidance.LLMatcher]) -> np.ndarray:

@@ -377,9 +377,13 @@ class LLMEngine(InProcessDriver):
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> RequestOutput:
         """Append a picked token; apply the stop rules; the token's output."""
-        text, finish = seq.append(
-            token, self.context_length, self.token_text, self.guidance.consume
-        )
+        try:
+            text, finish = seq.append(
+                token, self.context_length, self.token_text, self.guidance.consume
+            )
+        except GenAIError as error:  # its constraint's matcher broke: fail this request
+            self._fail(seq, error)
+            return RequestOutput(seq.request_id)
         delta = RequestOutput(seq.request_id, (token,), text, (lp,) if lp else ())
         if finish is None:
             return delta

@@ -205,8 +205,8 @@ class Speculation:
             seq.num_computed = start + 1 + j
             step = append(seq, *picked)
             out = step if out is None else merge_outputs(out, step)
-            if seq.finish_reason is not None:
-                break
+            if seq.finish_reason is not None or seq.status is SeqStatus.FINISHED:
+                break  # finished, or failed (``LLMEngine._fail``)
         if self.runner.kv_len(seq.seq_id) > seq.num_computed:  # unless released
             self.runner.truncate(seq.seq_id, seq.num_computed)  # drop rejected drafts' KV
         assert out is not None  # rows always has at least one row

@@ -198,3 +198,18 @@ def test_json_whitespace_runs_are_bounded_unless_the_schema_says_otherwise(
         )
     )
     assert free.consume_tokens(encode_bytes("{" + " " * 40))
+
+
+def test_boolean_schemas(guidance: Guidance) -> None:
+    anything = guidance.matcher(Constraint("json_schema", "true"))
+    assert anything.consume_tokens(encode_bytes("[1, 2]"))
+    with pytest.raises(InvalidArgument) as err:
+        guidance.matcher(Constraint("json_schema", "false"))
+    assert err.value.message == "constraint.json_schema: false matches no JSON value"
+
+
+def test_parser_messages_are_cut(guidance: Guidance) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        guidance.matcher(Constraint("regex", "(" * 2000))
+    assert len(err.value.message) <= len("constraint.regex: ") + 1024
+    assert err.value.message.endswith("\u2026")
