@@ -91,10 +91,12 @@ def _set_optional(message: object, **values: object) -> None:
 def _tool_call(call: ToolCall | Mapping[str, Any]) -> common_pb2.ToolCall:
     if isinstance(call, ToolCall):
         return common_pb2.ToolCall(id=call.id, name=call.name, arguments_json=call.arguments_json)
-    arguments = call.get("arguments_json", call.get("arguments", {}))
+    # Ours ({id, name, arguments_json}) or OpenAI's ({id, type, function: {name, arguments}}).
+    spec = call.get("function", call)
+    arguments = spec.get("arguments_json", spec.get("arguments", {}))
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments)
-    return common_pb2.ToolCall(id=call.get("id", ""), name=call["name"], arguments_json=arguments)
+    return common_pb2.ToolCall(id=call.get("id", ""), name=spec["name"], arguments_json=arguments)
 
 
 def _chat_message(message: MessageLike) -> common_pb2.ChatMessage:

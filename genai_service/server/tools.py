@@ -15,16 +15,17 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+import llguidance
+
 from genai_common.errors import InvalidArgument
 from genai_proto.genai.v1 import common_pb2, generate_pb2
 
-from ..engine.constraints import JSON_DEFAULTS
 from ..engine.request import Constraint
 from ..engine.tokenizer import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_TOOLS = 128
-_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_CLOSE), re.S)
+CALL_WHITESPACE = "[ ]?"
 _CHOICES = ("", "auto", "none", "required")
 
 
@@ -57,23 +58,15 @@ class ToolUse:
         if not (self.required or self.forced):
             return None
         tools = [t for t in self.tools if not self.forced or t.name == self.forced]
-        call = {
-            "anyOf": [
-                {
-                    "type": "object",
-                    "properties": {"name": {"const": t.name}, "arguments": t.parameters},
-                    "required": ["name", "arguments"],
-                    "additionalProperties": False,
-                }
-                for t in tools
-            ],
-            # The same bound on whitespace runs as any JSON answer.
-            "x-guidance": JSON_DEFAULTS,
-        }
-        # The tags as JSON string literals (Lark reads those), the call as
-        # llguidance's embedded JSON Schema.
+        # One embedded JSON Schema per tool (llguidance's %json), so that each
+        # tool's local $refs resolve against its own $defs/definitions.
+        rules = [f"call_{i}: %json {json.dumps(call_schema(t))}" for i, t in enumerate(tools)]
+        alternatives = " | ".join(f"call_{i}" for i in range(len(tools)))
+        # The tags as JSON string literals (Lark reads those).
         open_tag, close_tag = json.dumps(TOOL_CALL_OPEN + "\n"), json.dumps("\n" + TOOL_CALL_CLOSE)
-        grammar = f"start: {open_tag} call {close_tag}\ncall: %json {json.dumps(call)}\n"
+        grammar = "\n".join(
+            [f"start: {open_tag} call {close_tag}", f"call: {alternatives}", *rules, ""]
+        )
         return Constraint("grammar", grammar)
 
     def calls(self, text: str) -> list[common_pb2.ToolCall]:
@@ -81,12 +74,21 @@ class ToolUse:
         whose JSON does not parse, or names no offered tool, is left as text."""
         names = {t.name for t in self.tools}
         out = []
-        for match in _CALL.finditer(text):
+        decoder = json.JSONDecoder()
+        start = text.find(TOOL_CALL_OPEN)
+        while start >= 0:
+            # The JSON object right after the tag, then the closing tag (a
+            # "</tool_call>" inside a JSON string does not end the call).
+            at = start + len(TOOL_CALL_OPEN)
+            at += len(text[at:]) - len(text[at:].lstrip())
             try:
-                body = json.loads(match.group(1))
+                body, end = decoder.raw_decode(text, at)
             except ValueError:
+                start = text.find(TOOL_CALL_OPEN, at)
                 continue
-            if not isinstance(body, dict) or body.get("name") not in names:
+            closed = text[end:].lstrip().startswith(TOOL_CALL_CLOSE)
+            start = text.find(TOOL_CALL_OPEN, end)
+            if not closed or not isinstance(body, dict) or body.get("name") not in names:
                 continue
             arguments = body.get("arguments", body.get("parameters", {}))
             if not isinstance(arguments, dict):
@@ -127,6 +129,7 @@ def tool_use(request: generate_pb2.GenerateRequest) -> ToolUse | None:
         if any(t.name == tool.name for t in checked):
             raise InvalidArgument(f"tools[{i}].name: {tool.name!r} is given twice")
         checked.append(Tool(tool.name, tool.description, _parameters(i, tool)))
+        _check_schema(i, checked[-1])
     if choice == "none":
         return None
     names = [t.name for t in checked]
@@ -143,6 +146,51 @@ def tool_use(request: generate_pb2.GenerateRequest) -> ToolUse | None:
             "the answer to a tool call itself"
         )
     return use
+
+
+def call_schema(tool: Tool) -> dict[str, Any]:
+    """The JSON Schema of one call of ``tool``: ``{"name": <its name>,
+    "arguments": <its parameters>}``. The parameters' ``$defs`` and
+    ``definitions`` move to this schema's root and its other root-relative
+    ``$ref``s are rewritten, so every local reference still resolves."""
+    params = dict(tool.parameters)
+    lifted = {k: params.pop(k) for k in ("$defs", "definitions") if k in params}
+
+    def rebase(node: Any) -> Any:
+        if isinstance(node, dict):
+            out = {k: rebase(v) for k, v in node.items()}
+            ref = out.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#"):
+                pointer = ref[1:]
+                if not pointer.startswith(("/$defs/", "/definitions/")):
+                    out["$ref"] = "#/properties/arguments" + pointer
+            return out
+        if isinstance(node, list):
+            return [rebase(v) for v in node]
+        return node
+
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool.name}, "arguments": rebase(params)},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+        **rebase(lifted),
+        # A call is one line, as the preamble writes it: at most one space
+        # between JSON tokens (a model may not wander in whitespace here).
+        "x-guidance": {"whitespace_pattern": CALL_WHITESPACE},
+    }
+
+
+def _check_schema(i: int, tool: Tool) -> None:
+    """INVALID_ARGUMENT naming the tool when llguidance cannot compile its call."""
+    field = f"tools[{i}].parameters_json_schema"
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(call_schema(tool)))
+    except ValueError as e:
+        raise InvalidArgument(f"{field}: {str(e)[:1024]}") from e
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise InvalidArgument(f"{field}: {messages[0].strip()[:1024]}")
 
 
 def _parameters(i: int, tool: generate_pb2.Tool) -> dict[str, Any]:

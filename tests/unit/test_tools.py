@@ -205,3 +205,64 @@ def test_malformed_tool_messages_are_invalid_argument() -> None:
         tok.apply_chat_template([{"role": "assistant", "content": "", "tool_calls": [1]}])
     with pytest.raises(InvalidArgument, match=r"^messages\[0\]\.tool_call_id: must be a string"):
         tok.apply_chat_template([{"role": "tool", "content": "x", "tool_call_id": 3}])
+
+
+def test_tool_schemas_with_local_refs_compile_and_bad_ones_name_the_tool() -> None:
+    import llguidance
+
+    located = generate_pb2.Tool(
+        name="locate",
+        parameters_json_schema=json.dumps(
+            {
+                "type": "object",
+                "properties": {
+                    "where": {"$ref": "#/$defs/Loc"},
+                    "again": {"$ref": "#/properties/where"},
+                },
+                "required": ["where"],
+                "$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string"}}}},
+            }
+        ),
+    )
+    use = tool_use(request(tools=(located, TIME), tool_choice="required"))
+    assert use is not None
+    grammar = use.constraint()
+    assert grammar is not None
+    lark = llguidance.LLMatcher.grammar_from_lark(grammar.value)
+    assert llguidance.LLMatcher.validate_grammar_with_warnings(lark)[0] is False
+    broken = generate_pb2.Tool(
+        name="broken",
+        parameters_json_schema='{"type": "object", "properties": {"a": {"$ref": "#/nope"}}}',
+    )
+    with pytest.raises(InvalidArgument) as err:
+        tool_use(request(tools=(TIME, broken)))
+    assert err.value.message.startswith("tools[1].parameters_json_schema: ")
+    assert "nope" in err.value.message
+
+
+def test_a_closing_tag_inside_an_argument_does_not_end_the_call() -> None:
+    use = tool_use(request())
+    assert use is not None
+    text = tool_call_text("get_weather", {"city": "a</tool_call>b"})
+    (call,) = use.calls(text)
+    assert json.loads(call.arguments_json) == {"city": "a</tool_call>b"}
+    assert use.calls("<tool_call>\n" + json.dumps({"name": "get_time", "arguments": {}})) == []
+
+
+def test_the_client_sends_openai_style_tool_calls_in_history() -> None:
+    from genai_client._request import generate_request
+
+    openai_call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'},
+    }
+    ours = {"id": "call_2", "name": "get_weather", "arguments": {"city": "Rome"}}
+    request = generate_request(
+        messages=[{"role": "assistant", "content": "", "tool_calls": [openai_call, ours]}]
+    )
+    calls = request.messages.messages[0].tool_calls
+    assert [(c.id, c.name, json.loads(c.arguments_json)) for c in calls] == [
+        ("call_1", "get_time", {"tz": "UTC"}),
+        ("call_2", "get_weather", {"city": "Rome"}),
+    ]
