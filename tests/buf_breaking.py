@@ -1,6 +1,7 @@
 """``buf breaking`` of protos/ against a git commit (``make lint``, tests/unit/test_protos.py).
 
-Two changes are allowed, each because no client can tell:
+Two changes are allowed, each because no message on the wire changes (code
+generated from the old protos may still need to be regenerated):
 - setting ``go_package`` on a file that had none: protoc-gen-go refuses a file
   without it, so no Go code can depend on the old (empty) value (changing a
   ``go_package`` that was set is still breaking);

@@ -26,6 +26,7 @@ import multiprocessing as mp
 import os
 import pickle
 import secrets
+import select
 import time
 from collections.abc import AsyncGenerator, Callable
 from multiprocessing.connection import Connection
@@ -229,6 +230,21 @@ class EngineProcess:
             case _:
                 assert_never(msg)
 
+    def _drain_pipe(self) -> None:
+        """Dispatch whatever the pipe still holds (the exit may be noticed
+        before the last reads), stopping at end of file or when nothing is left."""
+        assert self._conn is not None
+        fd = self._conn.fileno()
+        try:
+            while select.select([fd], [], [], 0)[0]:
+                data = os.read(fd, READ_CHUNK)
+                if not data:
+                    break
+                for msg in self._reader.feed(data):
+                    self._dispatch(msg)
+        except OSError:
+            pass
+
     def _on_exit(self) -> None:
         """The engine process died (or closed its pipe): fail in-flight work, restart."""
         assert self._loop is not None
@@ -238,6 +254,7 @@ class EngineProcess:
             self._loop.remove_reader(self._conn.fileno())
         with contextlib.suppress(Exception):
             self._loop.remove_reader(self._proc.sentinel)
+        self._drain_pipe()  # outputs it wrote before exiting still reach their requests
         self._conn.close()
         self._conn = None
         self._proc.join(timeout=1)
@@ -319,10 +336,13 @@ class EngineProcess:
                     item, held, pending = pending, item, None  # what came before, then it
                 else:
                     if pending is not None:
-                        item, pending = merge_outputs(pending, item), None
+                        if cap is not None and len(pending.token_ids) + len(item.token_ids) > cap:
+                            item, held, pending = pending, item, None  # at most cap per delta
+                        else:
+                            item, pending = merge_outputs(pending, item), None
                     # (With a stream_interval, a request's first tokens go out alone.)
                     first = cap is not None and not sent_tokens and bool(item.token_ids)
-                    while not item.finished and not first and not queue.empty():
+                    while held is None and not item.finished and not first and not queue.empty():
                         following = queue.get_nowait()
                         if following.error is not None or (
                             cap is not None and len(item.token_ids) + len(following.token_ids) > cap
