@@ -13,7 +13,9 @@ batched arrays; ``sample(logits, args)`` then applies, in order:
    (``p`` once per token present in the output), both subtracted,
 4. greedy rows: argmax (ties -> lowest id); other rows: temperature, min-p,
    top-k, top-p (on the distribution renormalised after min-p and top-k),
-   then one draw from the renormalised distribution.
+   then one draw from the renormalised distribution; a row left with nothing
+   to pick from takes ``fallback_tokens`` (the raw argmax, or a masked row's
+   lowest allowed id).
 
 Reproducibility: every non-greedy row draws exactly one float from its own
 generator per step, whatever happens; greedy rows draw nothing. Cut-offs are
@@ -244,7 +246,7 @@ def sample(logits: np.ndarray, args: SamplingArgs) -> SampleOutput:
             tg = xg.argmax(axis=1)
             dead = ~np.isfinite(xg[np.arange(g.size), tg])  # everything banned (or NaN/inf)
             if dead.any():
-                tg[dead] = raw[g[dead]].argmax(axis=1)
+                tg[dead] = fallback_tokens(raw, g[dead], args)
             tokens[g] = tg
         s = np.flatnonzero(~greedy)
         if s.size:
@@ -367,7 +369,28 @@ def _sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingAr
         j[i] = np.flatnonzero(part[i])[-1]
     out = b * DRAW_BLOCK + j
     if not ok.all():
-        out[~ok] = raw[s[~ok]].argmax(axis=1)
+        out[~ok] = fallback_tokens(raw, s[~ok], args)
+    return out
+
+
+def first_allowed(row: np.ndarray, allowed: np.ndarray) -> int:
+    """The lowest id ``allowed`` [V] bool lets through (a constrained row never
+    leaves its mask); the raw argmax of ``row`` when it allows nothing."""
+    ids = np.flatnonzero(allowed[: row.shape[0]])
+    return int(ids[0]) if ids.size else int(np.argmax(row))
+
+
+def fallback_tokens(raw: np.ndarray, rows: np.ndarray, args: SamplingArgs) -> np.ndarray:
+    """The tokens of ``rows`` that have nothing left to pick from (every
+    candidate banned, -inf or NaN): the raw argmax, or for a row under a
+    constraint's mask its lowest allowed id."""
+    out = raw[rows].argmax(axis=1)
+    if args.allowed is not None:
+        position = {int(r): j for j, r in enumerate(args.allowed_rows)}
+        for k, r in enumerate(rows):
+            j = position.get(int(r))
+            if j is not None:
+                out[k] = first_allowed(raw[r], args.allowed[j])
     return out
 
 

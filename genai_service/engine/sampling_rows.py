@@ -107,25 +107,7 @@ def greedy_pick(row: np.ndarray, allowed: np.ndarray | None) -> int:
         return int(np.argmax(row))
     masked = np.where(allowed[: row.shape[0]], row, -np.inf)
     token = int(np.argmax(masked))
-    return token if np.isfinite(masked[token]) else _first_allowed(row, allowed)
-
-
-def _first_allowed(row: np.ndarray, allowed: np.ndarray) -> int:
-    """For a row whose allowed logits are all -inf or NaN: the lowest allowed
-    id (a constrained row never leaves its mask); the raw argmax when the mask
-    allows nothing (the matcher then fails the request)."""
-    ids = np.flatnonzero(allowed[: row.shape[0]])
-    return int(ids[0]) if ids.size else int(np.argmax(row))
-
-
-def _keep_in_masks(
-    sampled: sampling.SampleOutput, logits: np.ndarray, masks: list[np.ndarray | None]
-) -> None:
-    """The sampler falls back to the raw argmax for a row it cannot sample
-    (every candidate -inf or NaN); a constrained row keeps to its mask instead."""
-    for j, mask in enumerate(masks):
-        if mask is not None and not mask[int(sampled.token_ids[j])]:
-            sampled.token_ids[j] = _first_allowed(logits[j], mask)
+    return token if np.isfinite(masked[token]) else sampling.first_allowed(row, allowed)
 
 
 Picked = tuple[int, TokenLogprob | None]  # a token, and its logprobs if the request wants them
@@ -171,7 +153,6 @@ class TokenPicker:
             ]
         rows = [sampling_row(seq, self.defaults, allowed=masks.get(seq.seq_id)) for seq in seqs]
         sampled = sampling.sample(logits, sampling.prepare(rows))
-        _keep_in_masks(sampled, logits, [masks.get(seq.seq_id) for seq in seqs])
         return [self._picked(seq, sampled, j) for j, seq in enumerate(seqs)]
 
     def pick_after(self, seq: Sequence, row: np.ndarray, pending: list[int]) -> Picked:
@@ -192,9 +173,7 @@ class TokenPicker:
             if plain_greedy(seq, len(pending), masked=True):
                 return greedy_pick(row, allowed), None
         args = sampling.prepare([sampling_row(seq, self.defaults, pending, allowed)])
-        sampled = sampling.sample(row[None], args)
-        _keep_in_masks(sampled, row[None], [allowed])
-        return self._picked(seq, sampled, 0)
+        return self._picked(seq, sampling.sample(row[None], args), 0)
 
     def _picked(self, seq: Sequence, sampled: sampling.SampleOutput, j: int) -> Picked:
         """Row ``j`` of the sampler's output."""

@@ -416,3 +416,26 @@ def test_speed_of_a_large_vocabulary_batch(capsys: pytest.CaptureFixture[str]) -
         lines.append(f"sample() B={b:<2} V={v} {label}: {ms:.3f} ms")
     with capsys.disabled():
         print("\n" + "\n".join(lines))  # timing is reported, not asserted
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(), SamplingParams(temperature=0.7, top_k=3), SamplingParams(temperature=1.0)],
+)
+def test_a_masked_row_with_nothing_to_pick_keeps_to_its_mask(params: SamplingParams) -> None:
+    # Every allowed logit is -inf or NaN: the row cannot be sampled. An unmasked
+    # row falls back to the raw argmax; a masked one to its lowest allowed id.
+    logits = np.array(
+        [[0.0, 5.0, -np.inf, np.nan, -np.inf, 1.0], [0.0, 5.0, -np.inf, -np.inf, -np.inf, 1.0]],
+        dtype=np.float32,
+    )
+    allowed = np.array([False, False, True, True, True, False])
+    out = run(
+        logits, [make_row(params, allowed=allowed), make_row(params, banned_token_ids=range(6))]
+    )
+    assert out.token_ids.tolist() == [2, 1]
+    # The greedy fast path of the engine picks the same.
+    from genai_service.engine.sampling_rows import greedy_pick
+
+    assert greedy_pick(logits[0], allowed) == 2
+    assert greedy_pick(logits[1], np.zeros(6, dtype=bool)) == 1  # allows nothing: raw argmax
