@@ -194,28 +194,17 @@ class Guidance:
             self._compiled.popitem(last=False)
         return template.deep_copy()
 
-    def start_masks(self, matchers: Sequence[llguidance.LLMatcher]) -> Future[np.ndarray]:
-        """Fill the next-token masks of ``matchers`` on the worker (the GIL is
-        released while llguidance works); the future's result is a [n, vocab]
-        bool array, True where a token is allowed."""
-        return self._worker.submit(self.masks, matchers)
-
     def start_step(self, seqs: Sequence[Seq]) -> Future[dict[int, np.ndarray]] | None:
-        """The masks, by seq_id, of the constrained ones of ``seqs`` (those
-        about to pick a token), filled while the caller runs the model step;
-        None when none is constrained."""
+        """The next-token masks, by seq_id, of the constrained ones of ``seqs``
+        (those about to pick a token), filled on the worker (llguidance
+        releases the GIL) while the caller runs the model step: [vocab] bool
+        arrays, True where a token is allowed. None when none is constrained."""
         constrained = [s for s in seqs if s.matcher is not None]
         if not constrained:
             return None
-        return self._worker.submit(
-            lambda: dict(
-                zip(
-                    [s.seq_id for s in constrained],
-                    self.masks([s.matcher for s in constrained]),
-                    strict=True,
-                )
-            )
-        )
+        ids = [s.seq_id for s in constrained]
+        matchers = [s.matcher for s in constrained]
+        return self._worker.submit(lambda: dict(zip(ids, self.masks(matchers), strict=True)))
 
     @staticmethod
     def consume(seq: Seq, token: int) -> bool:
@@ -234,7 +223,7 @@ class Guidance:
         return bool(matcher.is_stopped())
 
     def masks(self, matchers: Sequence[llguidance.LLMatcher]) -> np.ndarray:
-        """As ``start_masks``, on the calling thread."""
+        """The next-token masks of ``matchers``, [n, vocab] bool, on the calling thread."""
         words = (self.vocab_size + 31) // 32
         bits = np.full((len(matchers), words), -1, dtype=np.int32)
         if matchers:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 
 import jsonschema
 import numpy as np
@@ -105,12 +106,17 @@ def test_a_forced_token_and_the_end(guidance: Guidance) -> None:
 
 
 def test_masks_of_several_matchers_off_the_calling_thread(guidance: Guidance) -> None:
-    a = guidance.matcher(Constraint("regex", "a+"))
-    b = guidance.matcher(Constraint("regex", "b+"))
-    masks = guidance.start_masks([a, b]).result(timeout=10)
-    assert masks.shape == (2, BYTE_VOCAB_SIZE) and masks.dtype == bool
-    assert np.flatnonzero(masks[0]).tolist() == encode_bytes("a")
-    assert np.flatnonzero(masks[1]).tolist() == encode_bytes("b")
+    a = SimpleNamespace(seq_id=7, matcher=guidance.matcher(Constraint("regex", "a+")))
+    free = SimpleNamespace(seq_id=8, matcher=None)
+    b = SimpleNamespace(seq_id=9, matcher=guidance.matcher(Constraint("regex", "b+")))
+    assert guidance.start_step([free]) is None  # nothing constrained: no work
+    future = guidance.start_step([a, free, b])  # type: ignore[list-item]
+    assert future is not None
+    masks = future.result(timeout=10)
+    assert sorted(masks) == [7, 9]
+    assert masks[7].shape == (BYTE_VOCAB_SIZE,) and masks[7].dtype == bool
+    assert np.flatnonzero(masks[7]).tolist() == encode_bytes("a")
+    assert np.flatnonzero(masks[9]).tolist() == encode_bytes("b")
 
 
 def test_compiled_grammars_are_cached_and_each_request_gets_its_own_matcher() -> None:
