@@ -9,6 +9,7 @@ asks for, which is also what many chat models are trained on:
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import secrets
@@ -183,14 +184,21 @@ def call_schema(tool: Tool) -> dict[str, Any]:
 
 def _check_schema(i: int, tool: Tool) -> None:
     """INVALID_ARGUMENT naming the tool when llguidance cannot compile its call."""
-    field = f"tools[{i}].parameters_json_schema"
+    error = _schema_error(json.dumps(call_schema(tool)))
+    if error:
+        raise InvalidArgument(f"tools[{i}].parameters_json_schema: {error}")
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_error(schema: str) -> str:
+    """llguidance's complaint about a call's JSON Schema ("" if none). Cached:
+    clients send the same tools with every request."""
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(call_schema(tool)))
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
     except ValueError as e:
-        raise InvalidArgument(f"{field}: {str(e)[:1024]}") from e
+        return str(e)[:1024]
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error:
-        raise InvalidArgument(f"{field}: {messages[0].strip()[:1024]}")
+    return messages[0].strip()[:1024] if is_error else ""
 
 
 def _parameters(i: int, tool: generate_pb2.Tool) -> dict[str, Any]:
