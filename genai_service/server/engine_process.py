@@ -192,14 +192,19 @@ class EngineProcess:
         try:
             # One read: the pipe is readable, so it returns what is there at
             # once; whatever is left makes it readable again.
-            data = os.read(conn.fileno(), READ_CHUNK)
+            alive = self._read_once(conn.fileno())
         except OSError:
-            data = b""
-        if not data:
+            alive = False
+        if not alive:
             self._on_exit()
-            return
+
+    def _read_once(self, fd: int) -> bool:
+        """Read what the pipe holds (one read) and dispatch the messages it
+        completes; False at end of file."""
+        data = os.read(fd, READ_CHUNK)
         for msg in self._reader.feed(data):
             self._dispatch(msg)
+        return bool(data)
 
     def _dispatch(self, msg: FromEngine) -> None:
         match msg:
@@ -235,15 +240,9 @@ class EngineProcess:
         before the last reads), stopping at end of file or when nothing is left."""
         assert self._conn is not None
         fd = self._conn.fileno()
-        try:
-            while select.select([fd], [], [], 0)[0]:
-                data = os.read(fd, READ_CHUNK)
-                if not data:
-                    break
-                for msg in self._reader.feed(data):
-                    self._dispatch(msg)
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):
+            while select.select([fd], [], [], 0)[0] and self._read_once(fd):
+                pass
 
     def _on_exit(self) -> None:
         """The engine process died (or closed its pipe): fail in-flight work, restart."""
