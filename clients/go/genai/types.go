@@ -1,0 +1,156 @@
+package genai
+
+import (
+	"strings"
+	"time"
+
+	pb "github.com/genai-grpc/genai-grpc/clients/go/gen/genai/v1"
+)
+
+// Usage is the token accounting of one request. CachedTokens are prompt
+// tokens whose KV cache was reused (prefix cache, session history, kvstore)
+// instead of recomputed.
+type Usage struct {
+	PromptTokens     uint32
+	CompletionTokens uint32
+	CachedTokens     uint32
+}
+
+// TopLogprob is one alternative token at a generation step.
+type TopLogprob struct {
+	TokenID uint32
+	Text    string
+	Logprob float32
+}
+
+// TokenLogprob is the natural-log probability of a generated token, with the
+// most likely alternatives at that step (most likely first).
+type TokenLogprob struct {
+	TokenID uint32
+	Text    string
+	Logprob float32
+	Top     []TopLogprob
+}
+
+// Delta is the output of a streamed request since its previous delta. Text
+// may be empty while the new tokens do not complete a character (or may
+// start a stop sequence); the deltas' texts concatenated are the whole text.
+type Delta struct {
+	Text     string
+	TokenIDs []uint32
+	Logprobs []TokenLogprob
+}
+
+// Result is the whole outcome of one request. FinishReason is one of
+// "MAX_TOKENS", "EOS_TOKEN", "STOP_SEQUENCE", "CONTEXT_LENGTH",
+// "TIME_LIMIT", "CANCELLED". SessionID is empty and SessionTokens 0 for a
+// stateless request.
+type Result struct {
+	Text          string
+	TokenIDs      []uint32
+	FinishReason  string
+	StopSequence  string
+	Logprobs      []TokenLogprob
+	Usage         Usage
+	Seed          uint64
+	SessionID     string
+	SessionTokens uint32
+	RequestID     string
+	ToolCalls     []ToolCall
+}
+
+// SessionInfo is a server-side session (SessionService).
+type SessionInfo struct {
+	ID             string
+	CreatedAt      time.Time
+	LastUsedAt     time.Time
+	HistoryTokens  uint32
+	Turns          uint32
+	IdleTTLSeconds uint32
+	Busy           bool
+	Metadata       map[string]string
+}
+
+// ModelInfo describes the served model. RunnerKind is "PAST_PRESENT" or
+// "SHARED_BUFFER".
+type ModelInfo struct {
+	ModelID         string
+	ContextLength   uint32
+	VocabSize       uint32
+	EOSTokenIDs     []uint32
+	RunnerKind      string
+	HasChatTemplate bool
+	KVChunkSize     uint32
+}
+
+func logprobsFrom(in []*pb.TokenLogprob) []TokenLogprob {
+	if len(in) == 0 {
+		return nil
+	}
+	out := make([]TokenLogprob, len(in))
+	for i, l := range in {
+		top := make([]TopLogprob, len(l.GetTop()))
+		for j, t := range l.GetTop() {
+			top[j] = TopLogprob{t.GetTokenId(), t.GetText(), t.GetLogprob()}
+		}
+		out[i] = TokenLogprob{l.GetTokenId(), l.GetText(), l.GetLogprob(), top}
+	}
+	return out
+}
+
+func toolCallsFrom(in []*pb.ToolCall) []ToolCall {
+	var out []ToolCall
+	for _, c := range in {
+		out = append(out, ToolCall{c.GetId(), c.GetName(), c.GetArgumentsJson()})
+	}
+	return out
+}
+
+func usageFrom(u *pb.Usage) Usage {
+	return Usage{u.GetPromptTokens(), u.GetCompletionTokens(), u.GetCachedTokens()}
+}
+
+func finishReason(r pb.FinishReason) string {
+	return strings.TrimPrefix(r.String(), "FINISH_REASON_")
+}
+
+func resultFromResponse(r *pb.GenerateResponse) *Result {
+	return &Result{
+		Text: r.GetText(), TokenIDs: r.GetTokenIds(), FinishReason: finishReason(r.GetFinishReason()),
+		StopSequence: r.GetStopSequence(), Logprobs: logprobsFrom(r.GetLogprobs()),
+		Usage: usageFrom(r.GetUsage()), Seed: r.GetSeed(), SessionID: r.GetSessionId(),
+		SessionTokens: r.GetSessionTokens(), RequestID: r.GetRequestId(),
+		ToolCalls: toolCallsFrom(r.GetToolCalls()),
+	}
+}
+
+// resultFromFinal is a stream's Result: its text is the deltas' text.
+func resultFromFinal(f *pb.Final, text string) *Result {
+	return &Result{
+		Text: text, TokenIDs: f.GetTokenIds(), FinishReason: finishReason(f.GetFinishReason()),
+		StopSequence: f.GetStopSequence(), Logprobs: logprobsFrom(f.GetLogprobs()),
+		Usage: usageFrom(f.GetUsage()), Seed: f.GetSeed(), SessionID: f.GetSessionId(),
+		SessionTokens: f.GetSessionTokens(), RequestID: f.GetRequestId(),
+		ToolCalls: toolCallsFrom(f.GetToolCalls()),
+	}
+}
+
+func deltaFrom(d *pb.Delta) Delta {
+	return Delta{Text: d.GetText(), TokenIDs: d.GetTokenIds(), Logprobs: logprobsFrom(d.GetLogprobs())}
+}
+
+func sessionFrom(s *pb.Session) SessionInfo {
+	return SessionInfo{
+		ID: s.GetSessionId(), CreatedAt: s.GetCreatedAt().AsTime(), LastUsedAt: s.GetLastUsedAt().AsTime(),
+		HistoryTokens: s.GetHistoryTokens(), Turns: s.GetTurns(), IdleTTLSeconds: s.GetIdleTtlSeconds(),
+		Busy: s.GetBusy(), Metadata: s.GetMetadata(),
+	}
+}
+
+func modelInfoFrom(m *pb.ModelInfo) ModelInfo {
+	return ModelInfo{
+		ModelID: m.GetModelId(), ContextLength: m.GetContextLength(), VocabSize: m.GetVocabSize(),
+		EOSTokenIDs: m.GetEosTokenIds(), RunnerKind: strings.TrimPrefix(m.GetRunnerKind().String(), "RUNNER_KIND_"),
+		HasChatTemplate: m.GetHasChatTemplate(), KVChunkSize: m.GetKvChunkSize(),
+	}
+}
