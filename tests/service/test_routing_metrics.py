@@ -1,6 +1,6 @@
-"""/metrics carries what an endpoint picker routes on (docs/design.md, "Routing
-signals"): waiting and running requests, KV-cache usage (0-1) and the prefix-cache
-hit rate, moving with the load."""
+"""/metrics carries what an endpoint picker routes on: waiting and running
+requests, KV-cache usage (0-1) and the prefix-cache hit rate, moving with the
+load (docs/design.md, "Routing signals")."""
 
 from __future__ import annotations
 
