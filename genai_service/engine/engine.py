@@ -257,6 +257,7 @@ class LLMEngine(InProcessDriver):
             "prefix_cache_bytes": self.prefix_index.bytes_used,
             "prefix_cache_entries": len(self.prefix_index),
             "sessions_evicted": self.sessions.evicted,
+            "sessions_replaced": self.sessions.replaced,  # stale copies, newer record
             **{f"kvstore_{k}": v for k, v in (self.remote.stats() if self.remote else {}).items()},
         }
 

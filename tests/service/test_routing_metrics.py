@@ -49,9 +49,9 @@ def test_routing_gauges_move_under_load(long_context_model_dir: Path) -> None:
         assert idle["genai_num_requests_running"] == idle["genai_num_requests_waiting"] == 0
         assert idle["genai_kv_cache_usage_perc"] == 0
         with Client(srv.target, timeout=60) as client:
-            # Two slots, four long streams: two run, two wait.
+            # Two slots, four long streams (seconds each): two run, two wait.
             streams = [
-                client.stream(f"the cat sat {i}", max_new_tokens=1500, ignore_eos=True)
+                client.stream(f"the cat sat {i}", max_new_tokens=4000, ignore_eos=True)
                 for i in range(4)
             ]
             busy = wait_for(
