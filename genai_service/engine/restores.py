@@ -50,6 +50,8 @@ T = TypeVar("T")
 # A turn submitted this soon after a GetSession checked its session's record
 # (the frontend's, building the turn's prompt) does not fetch it again.
 VOUCH_S = 2.0
+# After a record fetch fails, sessions in memory are used unchecked this long.
+RECHECK_AFTER_FAILURE_S = 10.0
 
 
 class PendingCall:
@@ -136,6 +138,15 @@ class SessionRestores:
         need not fetch the record again (``take_vouched``)."""
         self._vouched[session_id] = time.monotonic()
 
+    def can_skip_check(self, session_id: str) -> bool:
+        """Whether a session in memory may be used without fetching its record:
+        a GetSession just checked it (``take_vouched``), or a record fetch
+        failed within ``RECHECK_AFTER_FAILURE_S``: while the kvstore is down or
+        stalled, a check would only add its timeout to every turn."""
+        if self.take_vouched(session_id):
+            return True
+        return time.monotonic() - self.remote.record_failed_at < RECHECK_AFTER_FAILURE_S
+
     def take_vouched(self, session_id: str) -> bool:
         """Whether a GetSession checked the record within ``VOUCH_S`` (once)."""
         checked = self._vouched.pop(session_id, None)
@@ -206,7 +217,7 @@ def with_session(
     session = table.find(session_id)
     if session is not None:
         owned(session, principal)  # another principal's: refused before any fetch
-        if restores is None or session.busy or restores.take_vouched(session_id):
+        if restores is None or session.busy or restores.can_skip_check(session_id):
             return then(session)
     if restores is None or not restores.can_restore(session_id):
         raise not_found(session_id)
