@@ -305,7 +305,9 @@ class AsyncClient(_ClientBase):
 
     async def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
         try:
-            return await method(request, metadata=self._metadata, timeout=self._deadline(timeout))
+            return await method(
+                request, metadata=self._call_metadata(request), timeout=self._deadline(timeout)
+            )
         except grpc.RpcError as error:
             raise from_rpc_error(error) from error
 
@@ -335,7 +337,7 @@ class AsyncClient(_ClientBase):
         :class:`AsyncGenerationStream`, then read ``.result``."""
         request = _convert.generate_request(prompt, **options)
         call = self._generate.GenerateStream(
-            request, metadata=self._metadata, timeout=self._deadline(timeout)
+            request, metadata=self._call_metadata(request), timeout=self._deadline(timeout)
         )
         return AsyncGenerationStream(call)
 

@@ -82,6 +82,9 @@ def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
+SESSION_ID_HEADER = "x-session-id"  # docs/design.md, "Routing a session's turns"
+
+
 class GenerationStream(_convert.StreamState):
     """A streamed request: iterate it for :class:`Delta` objects.
 
@@ -324,6 +327,16 @@ class _ClientBase:
     def _deadline(self, timeout: float | None) -> float | None:
         return self._timeout if timeout is None else timeout
 
+    def _call_metadata(self, request: Any) -> tuple[tuple[str, str], ...]:
+        """The call's metadata: the bearer token, and the session id of a
+        request that names one as ``x-session-id`` too, so that a proxy in
+        front of several replicas can hash on it (the server reads the id
+        from the message; the header is for routing only)."""
+        session_id = getattr(request, "session_id", "")
+        if not session_id:
+            return self._metadata
+        return (*self._metadata, (SESSION_ID_HEADER, session_id))
+
 
 class Client(_ClientBase):
     """Synchronous client of GenerateService, SessionService and ModelService.
@@ -349,7 +362,9 @@ class Client(_ClientBase):
 
     def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
         try:
-            return method(request, metadata=self._metadata, timeout=self._deadline(timeout))
+            return method(
+                request, metadata=self._call_metadata(request), timeout=self._deadline(timeout)
+            )
         except grpc.RpcError as error:
             raise from_rpc_error(error) from error
 
@@ -391,7 +406,7 @@ class Client(_ClientBase):
         returned :class:`GenerationStream` for deltas, then read ``.result``."""
         request = _convert.generate_request(prompt, **options)
         call = self._generate.GenerateStream(
-            request, metadata=self._metadata, timeout=self._deadline(timeout)
+            request, metadata=self._call_metadata(request), timeout=self._deadline(timeout)
         )
         return GenerationStream(call)
 

@@ -250,10 +250,14 @@ class LLMEngine(InProcessDriver):
             **self.counters,
             "waiting": self.scheduler.num_waiting,
             "running": len(self.scheduler.running),
+            # KV held in the runner's slots, against what they can hold (/metrics' usage).
+            "kv_cache_tokens": sum(seq.num_computed for seq in self.scheduler.running),
+            "kv_cache_capacity_tokens": self.config.scheduler.max_num_seqs * self.context_length,
             "sessions": len(self.sessions),
             "prefix_cache_bytes": self.prefix_index.bytes_used,
             "prefix_cache_entries": len(self.prefix_index),
             "sessions_evicted": self.sessions.evicted,
+            "sessions_replaced": self.sessions.replaced,  # stale copies, newer record
             **{f"kvstore_{k}": v for k, v in (self.remote.stats() if self.remote else {}).items()},
         }
 

@@ -120,6 +120,9 @@ class KvChunkStore(ABC):
         pending ``put_record``/``delete_record`` calls (read-your-writes).
         """
 
+    # When a record fetch last failed (time.monotonic()); never: -inf.
+    record_failed_at: float = float("-inf")
+
     def get_record(self, key: bytes, timeout_s: float) -> bytes | None:
         """``fetch_record`` waited for: blocks for at most about ``timeout_s``
         (never call it from the engine loop)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -318,6 +319,7 @@ class GrpcKvChunkStore(_CountingStore):
             async with asyncio.timeout(timeout_s):
                 data = await self._get_record(key, timeout_s)
         except Exception as exc:  # TimeoutError, AioRpcError, a bad blob or MAC: a miss
+            self.record_failed_at = time.monotonic()
             self._failed("record get", exc, key)
         finally:
             with self._lock:

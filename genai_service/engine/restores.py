@@ -47,6 +47,12 @@ log = structlog.get_logger(__name__)
 Resume = Callable[["GenAIError | None"], None]
 T = TypeVar("T")
 
+# A turn submitted this soon after a GetSession checked its session's record
+# (the frontend's, building the turn's prompt) does not fetch it again.
+VOUCH_S = 2.0
+# After a record fetch fails, sessions in memory are used unchecked this long.
+RECHECK_AFTER_FAILURE_S = 10.0
+
 
 class PendingCall:
     """The answer of an engine call that waits for a session record.
@@ -114,6 +120,8 @@ class SessionRestores:
         self.max_fetches = max_fetches
         # session id -> (its record fetch, the calls to resume when it lands)
         self._fetches: dict[str, tuple[Future[bytes | None], list[Resume]]] = {}
+        # session id -> when a GetSession checked its record (see ``vouch``)
+        self._vouched: dict[str, float] = {}
 
     def __bool__(self) -> bool:
         return bool(self._fetches)
@@ -123,6 +131,29 @@ class SessionRestores:
         """Only ids of the form this service hands out are looked up (others are
         NOT_FOUND at once, with no kvstore round trip)."""
         return is_session_id(session_id)
+
+    def vouch(self, session_id: str) -> None:
+        """The record of ``session_id`` was just checked for a GetSession: the
+        frontend asks for one right before it submits a turn, so that turn
+        need not fetch the record again (``take_vouched``)."""
+        self._vouched[session_id] = time.monotonic()
+
+    def can_skip_check(self, session_id: str) -> bool:
+        """Whether a session in memory may be used without fetching its record:
+        a GetSession just checked it (``take_vouched``), or a record fetch
+        failed within ``RECHECK_AFTER_FAILURE_S``: while the kvstore is down or
+        stalled, a check would only add its timeout to every turn."""
+        if self.take_vouched(session_id):
+            return True
+        return time.monotonic() - self.remote.record_failed_at < RECHECK_AFTER_FAILURE_S
+
+    def take_vouched(self, session_id: str) -> bool:
+        """Whether a GetSession checked the record within ``VOUCH_S`` (once)."""
+        checked = self._vouched.pop(session_id, None)
+        if len(self._vouched) > self.max_fetches:  # vouches no turn took
+            cutoff = time.monotonic() - VOUCH_S
+            self._vouched = {k: t for k, t in self._vouched.items() if t >= cutoff}
+        return checked is not None and time.monotonic() - checked < VOUCH_S
 
     def wait_for(self, session_id: str, resume: Resume) -> None:
         """Fetch ``session_id``'s record in the background (once) and call
@@ -155,8 +186,8 @@ class SessionRestores:
             error: GenAIError | None = None
             if session is not None:
                 try:
-                    self.table.adopt(session)
-                    self.counters["sessions_restored"] += 1
+                    if self.table.adopt(session) is session:
+                        self.counters["sessions_restored"] += 1
                 except GenAIError as exc:  # the table is full of busy sessions
                     error = exc
             for resume in waiters:
@@ -169,13 +200,25 @@ def with_session(
     session_id: str,
     principal: str,
     then: Callable[[Session], T],
+    *,
+    vouch: bool = False,
 ) -> T | PendingCall:
-    """``then(session)`` for the session ``principal`` may use, now if it is in
-    memory, else (with a kvstore: ``restores``) as a ``PendingCall`` resolved
-    once its record has arrived: the engine loop never waits for it."""
+    """``then(session)`` for the session ``principal`` may use: now if it is in
+    memory and cannot be stale, else (with a kvstore: ``restores``) as a
+    ``PendingCall`` resolved once its record has arrived, so the engine loop
+    never waits for it.
+
+    With a kvstore any replica may have run turns of the session since this
+    one last did (docs/design.md, "Routing a session's turns"), so a copy in
+    memory is used only once its record says it is current (a newer record
+    replaces it, ``SessionTable.adopt``), or when a GetSession (``vouch``)
+    has just checked it, or while it runs a turn here. A record that cannot
+    be fetched leaves the copy in memory as it is."""
     session = table.find(session_id)
     if session is not None:
-        return then(owned(session, principal))
+        owned(session, principal)  # another principal's: refused before any fetch
+        if restores is None or session.busy or restores.can_skip_check(session_id):
+            return then(session)
     if restores is None or not restores.can_restore(session_id):
         raise not_found(session_id)
     pending = PendingCall()
@@ -184,7 +227,10 @@ def with_session(
         def run() -> T:
             if error is not None:
                 raise error
-            return then(owned(table.get(session_id), principal))
+            result = then(owned(table.get(session_id), principal))
+            if vouch and restores is not None:
+                restores.vouch(session_id)
+            return result
 
         pending.resolve(run)
 
@@ -235,11 +281,14 @@ class SessionCalls:
 
     def save(self, session: Session) -> None:
         if self.remote is not None:
+            session.version += 1
             self.remote.put_record(self.record_key(session.session_id), session_record(session))
 
-    def use(self, session_id: str, principal: str, then: Callable[[Session], T]) -> T | PendingCall:
+    def use(
+        self, session_id: str, principal: str, then: Callable[[Session], T], vouch: bool = False
+    ) -> T | PendingCall:
         """``with_session`` on this table and its restores."""
-        return with_session(self.table, self.restores, session_id, principal, then)
+        return with_session(self.table, self.restores, session_id, principal, then, vouch=vouch)
 
     def create(
         self, idle_ttl_s: float | None, owner: str, metadata: dict[str, str] | None
@@ -249,7 +298,7 @@ class SessionCalls:
         return SessionTable.info(session)
 
     def get(self, session_id: str, principal: str) -> SessionInfo | PendingCall:
-        return self.use(session_id, principal, SessionTable.info)
+        return self.use(session_id, principal, SessionTable.info, vouch=True)
 
     def reset(self, session_id: str, principal: str) -> SessionInfo | PendingCall:
         def reset(session: Session) -> SessionInfo:

@@ -60,6 +60,9 @@ class Session:
     metadata: dict[str, str] = field(default_factory=dict)
     history: list[int] = field(default_factory=list)
     turns: int = 0
+    # Bumped by every saved change (its record carries it): a record with a
+    # higher version was written by another replica since (``SessionTable.adopt``).
+    version: int = 0
     # KV of history[:kv_len] while parked, as consecutive chunks (complete ones
     # shared with the prefix index); None while a turn runs or after reset.
     kv: list[Any] | None = None
@@ -193,6 +196,7 @@ class SessionTable:
         self._sessions: dict[str, Session] = {}
         self.evicted = 0
         self.restored = 0
+        self.replaced = 0  # in-memory copies replaced by a newer record
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -238,11 +242,16 @@ class SessionTable:
         return session
 
     def adopt(self, session: Session) -> Session:
-        """Take in a session restored from its record; the one already in memory
-        under its id wins (a turn may have created or restored it meanwhile)."""
+        """Take in a session restored from its record. The one already in memory
+        under its id wins (a turn may have created or restored it meanwhile),
+        unless the record is newer: another replica ran turns of it (or reset
+        it) since, so the copy here is stale and its parked KV is dropped."""
         present = self.find(session.session_id)
         if present is not None:
-            return present
+            if present.busy or present.committing or session.version <= present.version:
+                return present
+            self._drop(present)
+            self.replaced += 1
         self._make_room()
         if len(self._sessions) >= self.max_sessions:
             raise ResourceExhausted(
@@ -419,6 +428,7 @@ def session_record(session: Session) -> bytes:
         "last_used_at": session.last_used_at,
         "idle_ttl_s": session.idle_ttl_s,
         "turns": session.turns,
+        "version": session.version,
         "metadata": session.metadata,
         "history": session.history,
     }
@@ -444,6 +454,7 @@ def session_from_record(session_id: str, data: bytes, vocab_size: int) -> Sessio
             metadata={str(k): str(v) for k, v in rec.get("metadata", {}).items()},
             history=history,
             turns=int(rec.get("turns", 0)),
+            version=int(rec.get("version", 0)),
         )
     except (ValueError, KeyError, TypeError) as exc:
         log.warning("session_record_unreadable", error=str(exc))

@@ -131,8 +131,10 @@ class GenAIServer:
         await self.engine.start(self.config.engine_start_timeout_s)
         self._poller = asyncio.create_task(self._poll_engine_stats())
 
-    async def _poll_engine_stats(self, interval_s: float = 2.0) -> None:
-        """Keep the engine's counters fresh for /metrics (one small IPC call)."""
+    async def _poll_engine_stats(self, interval_s: float = 0.5) -> None:
+        """Keep the engine's counters fresh for /metrics (one small IPC call):
+        an endpoint picker routes on the waiting/running/KV gauges, so they
+        are at most half a second old."""
         while not self.frontend.draining:
             if self.engine.ready:
                 with contextlib.suppress(Exception):

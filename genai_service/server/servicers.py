@@ -136,9 +136,8 @@ class Frontend:
                         m.ttft.observe(time.monotonic() - started)
                         first = False
                     if out.finished and out.usage is not None:
-                        m.prompt_tokens.inc(out.usage.prompt_tokens)
-                        m.cached_tokens.inc(out.usage.cached_tokens)
-                        m.completion_tokens.inc(out.usage.completion_tokens)
+                        u = out.usage
+                        m.observe_usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens)
                     yield out
 
     async def events(

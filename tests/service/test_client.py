@@ -85,12 +85,14 @@ class Plan:
 @dataclass
 class FakeState:
     auth: list[str | None] = field(default_factory=list)
+    session_headers: list[str | None] = field(default_factory=list)  # x-session-id
     requests: list[generate_pb2.GenerateRequest] = field(default_factory=list)
     sessions: dict[str, FakeSession] = field(default_factory=dict)
 
     def record(self, context: grpc.aio.ServicerContext) -> None:
         metadata = dict(context.invocation_metadata() or ())
         self.auth.append(metadata.get("authorization"))
+        self.session_headers.append(metadata.get("x-session-id"))
 
     def prompt_text(self, request: Any) -> str:
         kind = request.WhichOneof("input")
@@ -265,6 +267,7 @@ class FakeSessions(session_pb2_grpc.SessionServiceServicer):
         self.state = state
 
     async def _get(self, session_id: str, context: Any) -> FakeSession:
+        self.state.record(context)
         if session_id not in self.state.sessions:
             await context.abort(grpc.StatusCode.NOT_FOUND, "session not found")
         return self.state.sessions[session_id]
@@ -559,6 +562,33 @@ def test_bearer_token_sent(fake: Fake) -> None:
     with Client(fake.target, timeout=10) as c:
         c.generate("a")
         assert fake.state.auth[-1] is None
+
+
+def test_session_id_sent_as_routing_header(fake: Fake) -> None:
+    """Every call that names a session carries it as x-session-id metadata
+    too (docs/design.md, "Routing a session's turns"); the others do not."""
+    with Client(fake.target, timeout=10) as c:
+        c.generate("a")
+        assert fake.state.session_headers[-1] is None
+        with c.session() as chat:
+            assert fake.state.session_headers[-1] is None  # CreateSession names none
+            chat.generate("turn one")
+            assert fake.state.session_headers[-1] == chat.id
+            list(chat.stream("turn two"))
+            assert fake.state.session_headers[-1] == chat.id
+            c.get_session(chat.id)
+            assert fake.state.session_headers[-1] == chat.id
+            session_id = chat.id
+        assert fake.state.session_headers[-1] == session_id  # CloseSession
+
+
+@pytest.mark.asyncio
+async def test_async_session_id_sent_as_routing_header(fake: Fake) -> None:
+    async with AsyncClient(fake.target, timeout=10) as c, c.session() as chat:
+        await chat.generate("turn one")
+        assert fake.state.session_headers[-1] == chat.id
+        await chat.stream("turn two").collect()
+        assert fake.state.session_headers[-1] == chat.id
 
 
 def test_model_service(client: Client) -> None:

@@ -30,15 +30,29 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import kubernetes_validate  # the `dev` extra; `make setup` installs it
 import pytest
 import yaml
+
+from tests.k8s_crds import is_custom, validate_custom
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 BASE = K8S / "base"
 SHARED = K8S / "overlays" / "shared-kvstore"
-RENDERINGS = {"base": BASE, "shared-kvstore": SHARED}
+AFFINITY = K8S / "overlays" / "session-affinity"
+INFERENCE_POOL = K8S / "overlays" / "inference-pool"
+RENDERINGS = {
+    "base": BASE,
+    "shared-kvstore": SHARED,
+    "session-affinity": AFFINITY,
+    "inference-pool": INFERENCE_POOL,
+}
+# Workloads that run another project's image (not our entry points, user or
+# version); the endpoint picker is also the only one that calls the Kubernetes
+# API, and so mounts a service-account token.
+THIRD_PARTY = {"genai-grpc-epp"}
 # Kubernetes versions the manifests must validate against: the oldest we
 # support (native sidecars, ContainerResource HPA metrics) and the newest the
 # installed kubernetes-validate ships.
@@ -351,9 +365,21 @@ def test_renders(name: str) -> None:
         "Service",
         "ServiceAccount",
     ]
-    if name == "shared-kvstore":
-        expected = sorted([*expected, "Service", "StatefulSet", "NetworkPolicy"])
-    assert kinds == expected
+    extra = {
+        "base": [],
+        "shared-kvstore": ["Service", "StatefulSet", "NetworkPolicy"],
+        "session-affinity": ["DestinationRule"],
+        "inference-pool": [
+            "InferencePool",
+            "ServiceAccount",
+            "Role",
+            "RoleBinding",
+            "ConfigMap",
+            "Deployment",
+            "Service",
+        ],
+    }[name]
+    assert kinds == sorted([*expected, *extra])
 
 
 # --------------------------------------------------------------------------
@@ -382,6 +408,13 @@ def _validation_cases() -> Iterator[Any]:
 @pytest.mark.parametrize(("name", "kind", "obj_name", "version"), list(_validation_cases()))
 def test_schema_valid(name: str, kind: str, obj_name: str, version: str) -> None:
     obj = one(rendered(name), kind, obj_name)
+    if is_custom(obj):  # a CRD's kind: its schema (tests/k8s_crds.py), any Kubernetes version
+        try:
+            validate_custom(obj)
+        except jsonschema.ValidationError as error:
+            location = "/".join(str(p) for p in error.absolute_path)
+            pytest.fail(f"{kind}/{obj_name} invalid for its CRD at {location}: {error.message}")
+        return
     try:
         kubernetes_validate.validate(obj, version, strict=True)
     except kubernetes_validate.ValidationError as error:
@@ -465,6 +498,8 @@ def test_entry_points_exist(name: str) -> None:
     for workload in rendered(name):
         if workload["kind"] not in ("Deployment", "StatefulSet"):
             continue
+        if workload["metadata"]["name"] in THIRD_PARTY:
+            continue
         for c in all_containers(pod_spec(workload)):
             assert c["command"][0] in scripts, f"{c['name']}: {c['command']} is not installed"
 
@@ -534,7 +569,8 @@ def test_security_context(name: str) -> None:
         spec = pod_spec(workload)
         assert spec["securityContext"]["runAsNonRoot"] is True
         assert spec["securityContext"]["runAsUser"] != 0
-        assert spec["automountServiceAccountToken"] is False
+        calls_api = workload["metadata"]["name"] in THIRD_PARTY
+        assert spec["automountServiceAccountToken"] is calls_api
         for c in all_containers(spec):
             sc = c["securityContext"]
             assert sc["readOnlyRootFilesystem"] is True, c["name"]
@@ -559,6 +595,8 @@ def test_dockerfile_user_and_version_match_the_manifests() -> None:
     for name in RENDERINGS:
         for workload in rendered(name):
             if workload["kind"] not in ("Deployment", "StatefulSet"):
+                continue
+            if workload["metadata"]["name"] in THIRD_PARTY:
                 continue
             spec = pod_spec(workload)
             assert spec["securityContext"]["runAsUser"] == int(user.group(1))

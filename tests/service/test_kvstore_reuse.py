@@ -126,11 +126,13 @@ def test_kv_round_trips_through_a_kvstore_on_mtls(tiny_model_dir: Path, pki: Pat
 def test_session_migrates_between_engines(tiny_model_dir: Path, kvstore: KvStoreProcess) -> None:
     t1 = encode_words("hello , who are you ?")
     t2 = encode_words("what is the time now ?")
-    # reference: both turns on one engine without a kvstore
+    t3 = encode_words("and who am i ?")
+    # reference: every turn on one engine without a kvstore
     ref = make_engine(tiny_model_dir, None)
     sid = ref.create_session().session_id
     r1 = ref.generate(dataclasses.replace(greedy("r1", t1, 7), session_id=sid))
     r2 = ref.generate(dataclasses.replace(greedy("r2", t2, 7), session_id=sid))
+    r3 = ref.generate(dataclasses.replace(greedy("r3", t3, 7), session_id=sid))
 
     a = make_engine(tiny_model_dir, kvstore.target)
     b = make_engine(tiny_model_dir, kvstore.target)
@@ -143,10 +145,17 @@ def test_session_migrates_between_engines(tiny_model_dir: Path, kvstore: KvStore
     assert a1.token_ids == r1.token_ids and b2.token_ids == r2.token_ids
     history = len(t1) + 7
     assert b2.usage.cached_tokens == history // 4 * 4  # the chunk chain came from the store
-    assert b.get_session(sid).turns == 2
-    # closing on B removes the record: A cannot restore it after eviction either
-    b.close_session(sid)
+    assert b.wait(b.get_session(sid)).turns == 2
+    # Back on A, whose memory still holds the session as it was after turn 1:
+    # the newer record (B's turn) replaces that stale copy.
     assert b.remote is not None and b.remote.flush(10)
+    a3 = a.generate(dataclasses.replace(greedy("a3", t3, 7), session_id=sid))
+    assert a3.token_ids == r3.token_ids
+    assert a.sessions.replaced == 1 and a.wait(a.get_session(sid)).turns == 3
+    # closing on B removes the record: A cannot restore it after eviction either
+    assert a.remote is not None and a.remote.flush(10)
+    b.wait(b.close_session(sid))
+    assert b.remote.flush(10)
     a.sessions.close(sid)  # evict from A's memory
     from genai_common.errors import NotFound
 

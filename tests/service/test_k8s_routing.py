@@ -1,0 +1,127 @@
+"""The routing overlays: session affinity under Istio and the Gateway API
+Inference Extension's pool (docs/kubernetes.md), checked against the code they
+route to. Rendering and schema validation are tests/service/test_k8s.py's."""
+
+from __future__ import annotations
+
+import copy
+
+import jsonschema
+import pytest
+import yaml
+
+from genai_client.client import SESSION_ID_HEADER
+from genai_service.server.metrics import VLLM_NAMES
+from tests.k8s_crds import validate_custom
+from tests.service.test_k8s import (
+    container,
+    deployment,
+    named_port,
+    one,
+    pod_labels,
+    pod_spec,
+    rendered,
+    selects,
+    server,
+    server_args,
+)
+
+
+def test_session_affinity_hashes_on_the_header_the_clients_send() -> None:
+    objects = rendered("session-affinity")
+    rule = one(objects, "DestinationRule", "genai-grpc")
+    service = one(objects, "Service", "genai-grpc")
+    assert rule["spec"]["host"] == service["metadata"]["name"]
+    consistent = rule["spec"]["trafficPolicy"]["loadBalancer"]["consistentHash"]
+    assert consistent["httpHeaderName"] == SESSION_ID_HEADER
+    assert "maglev" in consistent
+    # Istio balances per request only on ports it knows to be gRPC.
+    (port,) = service["spec"]["ports"]
+    assert port["appProtocol"] == "grpc" and port["name"].startswith("grpc")
+    # The overlay adds the rule and changes nothing of the base.
+    base = rendered("base")
+    assert [o for o in objects if o["kind"] != "DestinationRule"] == base
+
+
+def test_crd_validation_is_strict() -> None:
+    rule = one(rendered("session-affinity"), "DestinationRule", "genai-grpc")
+    typo = copy.deepcopy(rule)
+    hashing = typo["spec"]["trafficPolicy"]["loadBalancer"]["consistentHash"]
+    hashing["httpHeaderNam"] = hashing.pop("httpHeaderName")
+    with pytest.raises(jsonschema.ValidationError):
+        validate_custom(typo)
+    pool = one(rendered("inference-pool"), "InferencePool", "genai-grpc")
+    bad = copy.deepcopy(pool)
+    bad["spec"]["endpointPickerRef"]["failureMode"] = "FailSometimes"
+    with pytest.raises(jsonschema.ValidationError):
+        validate_custom(bad)
+
+
+def _flags(args: list[str]) -> dict[str, str]:
+    return dict(a[2:].split("=", 1) for a in args if a.startswith("--") and "=" in a)
+
+
+def test_inference_pool_selects_the_servers_http_port() -> None:
+    objects = rendered("inference-pool")
+    pool = one(objects, "InferencePool", "genai-grpc")
+    dep = deployment(objects)
+    epp = one(objects, "Deployment", "genai-grpc-epp")
+    selector = pool["spec"]["selector"]["matchLabels"]
+    assert selects(selector, pod_labels(dep))
+    assert not selects(selector, pod_labels(epp))
+    c = server(objects)
+    http_port = server_args(c).http_port
+    (target,) = pool["spec"]["targetPorts"]
+    assert target["number"] == http_port == named_port(c, "http")
+    # gRPC stays where the base has it.
+    assert server_args(c).port == named_port(c, "grpc")
+
+
+def test_endpoint_picker_reads_this_servers_metrics() -> None:
+    objects = rendered("inference-pool")
+    pool = one(objects, "InferencePool", "genai-grpc")
+    ref = pool["spec"]["endpointPickerRef"]
+    service = one(objects, "Service", ref["name"])
+    epp = one(objects, "Deployment", "genai-grpc-epp")
+    assert selects(service["spec"]["selector"], pod_labels(epp))
+    (port,) = service["spec"]["ports"]
+    assert port["port"] == ref["port"]["number"]
+    c = container(pod_spec(epp), "epp")
+    assert named_port(c, port["targetPort"]) == port["port"]
+    flags = _flags(c["args"])
+    assert flags["pool-name"] == pool["metadata"]["name"]
+    assert int(flags["grpc-port"]) == port["port"]
+    # The scorers read the gauges genai-server exports (docs/design.md, "Routing signals").
+    metrics = {
+        flags["total-queued-requests-metric"],
+        flags["total-running-requests-metric"],
+        flags["kv-cache-usage-percentage-metric"],
+    }
+    assert metrics == {
+        "genai_num_requests_waiting",
+        "genai_num_requests_running",
+        "genai_kv_cache_usage_perc",
+    }
+    assert metrics <= set(VLLM_NAMES)
+    # Its configuration file is the ConfigMap's, and every scorer it uses is declared.
+    config_map = one(objects, "ConfigMap", "genai-grpc-epp")
+    mount = next(m for m in c["volumeMounts"] if flags["config-file"].startswith(m["mountPath"]))
+    volume = next(v for v in pod_spec(epp)["volumes"] if v["name"] == mount["name"])
+    assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+    key = flags["config-file"][len(mount["mountPath"]) :].lstrip("/")
+    config = yaml.safe_load(config_map["data"][key])
+    assert config["kind"] == "EndpointPickerConfig"
+    declared = {p["type"] for p in config["plugins"]}
+    (profile,) = config["schedulingProfiles"]
+    assert {p["pluginRef"] for p in profile["plugins"]} <= declared
+    assert {"queue-scorer", "kv-cache-utilization-scorer"} <= declared
+    # It may watch the pool and the pods, in its namespace only, and nothing more.
+    role = one(objects, "Role", "genai-grpc-epp")
+    binding = one(objects, "RoleBinding", "genai-grpc-epp")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    (subject,) = binding["subjects"]
+    assert subject["name"] == pod_spec(epp)["serviceAccountName"]
+    for rule in role["rules"]:
+        assert set(rule["verbs"]) <= {"get", "list", "watch"}
+    resources = {r for rule in role["rules"] for r in rule["resources"]}
+    assert {"pods", "inferencepools"} <= resources
