@@ -5,7 +5,8 @@ Builds the package as a user would (``npm ci``, types generated from protos/ by
 ``node --test`` suite: the unit tests (field and enum round-trip, metadata,
 error details) and the live tests, which reach the server started here through
 ``GENAI_TARGET`` (streaming, a two-turn session reusing KV, cancellation through
-an AbortSignal, a bad request as a typed error naming the field, bidi).
+an AbortSignal, a bad request as a typed error naming the field, bidi), and a
+second server with mutual TLS and a bearer token through ``GENAI_SECURE_TARGET``.
 """
 
 from __future__ import annotations
@@ -66,11 +67,34 @@ def server(long_context_model_dir: Path) -> Iterator[ServerThread]:
     srv.stop()
 
 
-def test_node_client_against_a_live_server(built: None, server: ServerThread) -> None:
-    output = run(["npm", "test"], timeout_s=180, env={"GENAI_TARGET": server.target})
+@pytest.fixture(scope="module")
+def secure_server(tiny_model_dir: Path, pki: Path) -> Iterator[ServerThread]:
+    config = ServerConfig(
+        engine=EngineConfig(model_dir=str(tiny_model_dir)),
+        port=free_port(),
+        auth_tokens=(("node-token", "ada"),),
+        tls_cert_file=str(pki / "server.pem"),
+        tls_key_file=str(pki / "server.key"),
+        tls_client_ca_file=str(pki / "ca.pem"),
+    )
+    srv = ServerThread(config).start()
+    yield srv
+    srv.stop()
+
+
+def test_node_client_against_a_live_server(
+    built: None, server: ServerThread, secure_server: ServerThread, pki: Path
+) -> None:
+    env = {
+        "GENAI_TARGET": server.target,
+        "GENAI_SECURE_TARGET": secure_server.target,
+        "GENAI_PKI_DIR": str(pki),
+        "GENAI_TOKEN": "node-token",
+    }
+    output = run(["npm", "test"], timeout_s=180, env=env)
     # every test ran (none skipped for a missing target) and passed
     assert "# fail 0" in output and "# skipped 0" in output, output
-    assert "# pass 9" in output, output
+    assert "# pass 10" in output, output
     # The aborted stream, the aborted unary call and the bidi request cancelled
     # mid-way each aborted their engine request (docs/design.md, "Status codes").
     assert server.server is not None

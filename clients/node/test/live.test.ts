@@ -3,7 +3,9 @@
 // without it.
 import { after, describe, test } from "node:test";
 import assert from "node:assert/strict";
-import { CancelledError, GenAIClient, InvalidArgumentError, NotFoundError } from "../src";
+import { readFileSync } from "node:fs";
+import { join } from "node:path";
+import { CancelledError, GenAIClient, InvalidArgumentError, NotFoundError, UnauthenticatedError } from "../src";
 
 const target = process.env.GENAI_TARGET;
 
@@ -161,4 +163,31 @@ describe("live server", { skip: target ? false : "GENAI_TARGET is not set" }, ()
     assert.deepEqual(error.fieldViolations.map((v) => v.field), ["sampling.temperature"]);
   });
 
+});
+
+const secureTarget = process.env.GENAI_SECURE_TARGET;
+
+describe("live server with mutual TLS and a bearer token", { skip: secureTarget ? false : "GENAI_SECURE_TARGET is not set" }, () => {
+  test("the token and the client certificate get in; no token is UNAUTHENTICATED", async () => {
+    const pki = process.env.GENAI_PKI_DIR ?? "";
+    const tls = {
+      rootCerts: readFileSync(join(pki, "ca.pem")),
+      privateKey: readFileSync(join(pki, "client.key")),
+      certChain: readFileSync(join(pki, "client.pem")),
+    };
+    const client = new GenAIClient(secureTarget ?? "", { ...tls, token: process.env.GENAI_TOKEN, timeoutMs: 30_000 });
+    const anonymous = new GenAIClient(secureTarget ?? "", { ...tls, timeoutMs: 30_000 });
+    const wrong = new GenAIClient(secureTarget ?? "", { ...tls, token: "not-the-token", timeoutMs: 30_000 });
+    try {
+      const result = await client.generate({ prompt: "hello", maxNewTokens: 3, ignoreEos: true });
+      assert.equal(result.tokenIds.length, 3);
+      const session = await client.session();
+      assert.equal((await session.generate({ prompt: "the cat", maxNewTokens: 2, ignoreEos: true })).sessionId, session.id);
+      await session.close();
+      await assert.rejects(anonymous.generate("hello"), UnauthenticatedError);
+      await assert.rejects(wrong.listSessions(), UnauthenticatedError);
+    } finally {
+      for (const c of [client, anonymous, wrong]) c.close();
+    }
+  });
 });
