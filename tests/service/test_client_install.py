@@ -35,6 +35,7 @@ IGNORED = shutil.ignore_patterns(
     ".*_cache",
     ".hypothesis",
     "results",
+    "node_modules",
 )
 SERVER_ONLY = ("onnxruntime", "onnx", "gguf", "numpy", "tokenizers", "structlog")
 

@@ -1,0 +1,122 @@
+/**
+ * What the client returns, mirroring the Python client's genai_client/types.py
+ * in camelCase: plain objects, enums as their short names ("MAX_TOKENS").
+ */
+import { FinishReason, type TokenLogprob, type ToolCall, type Usage } from "./gen/genai/v1/common";
+import type { Delta as DeltaProto, Final, GenerateResponse } from "./gen/genai/v1/generate";
+import { RunnerKind, type ModelInfo as ModelInfoProto } from "./gen/genai/v1/model";
+import type { Session as SessionProto } from "./gen/genai/v1/session";
+import type { GenAIError } from "./errors";
+
+export type { TokenLogprob, TopLogprob, ToolCall, Usage } from "./gen/genai/v1/common";
+export type { KvLayout, Token } from "./gen/genai/v1/model";
+
+/** Why a request stopped: FinishReason's name without its prefix. */
+export type FinishReasonName =
+  | "MAX_TOKENS"
+  | "EOS_TOKEN"
+  | "STOP_SEQUENCE"
+  | "CONTEXT_LENGTH"
+  | "TIME_LIMIT"
+  | "CANCELLED"
+  | "";
+
+/** Output produced since the previous delta of a streamed request. */
+export interface Delta {
+  text: string;
+  tokenIds: number[];
+  logprobs: TokenLogprob[];
+}
+
+/** The whole result of a request (a stream's `text` is its deltas' text joined). */
+export interface GenerationResult {
+  text: string;
+  tokenIds: number[];
+  finishReason: FinishReasonName;
+  stopSequence: string;
+  logprobs: TokenLogprob[];
+  usage: Usage;
+  /** The seed the sampler used: send it back as `seed` to reproduce the output. */
+  seed: bigint;
+  /** The session this was a turn of; undefined for a stateless request. */
+  sessionId: string | undefined;
+  sessionTokens: number;
+  requestId: string;
+  toolCalls: ToolCall[];
+}
+
+/** One event of a bidi stream: a request's delta, its result, or its error. */
+export interface BidiEvent {
+  requestId: string;
+  delta?: Delta;
+  result?: GenerationResult;
+  error?: GenAIError;
+}
+
+/** A server-side session's state. */
+export interface SessionInfo {
+  sessionId: string;
+  createdAt: Date | undefined;
+  lastUsedAt: Date | undefined;
+  historyTokens: number;
+  turns: number;
+  idleTtlSeconds: number;
+  busy: boolean;
+  metadata: Record<string, string>;
+}
+
+/** The served model; `runnerKind` is RunnerKind's name without its prefix. */
+export type ModelInfo = Omit<ModelInfoProto, "runnerKind"> & { runnerKind: string };
+
+const PREFIX = "FINISH_REASON_";
+
+/** FINISH_REASON_EOS_TOKEN -> "EOS_TOKEN"; unspecified -> "". A number this
+ * client does not know (a newer server) is a TypeError, never a wrong name. */
+export function finishReasonName(value: FinishReason): FinishReasonName {
+  if (value === FinishReason.FINISH_REASON_UNSPECIFIED) return "";
+  const name = FinishReason[value];
+  if (name === undefined) throw new TypeError(`unknown finish_reason ${value}`);
+  return name.slice(PREFIX.length) as FinishReasonName;
+}
+
+export function deltaFromProto(delta: DeltaProto): Delta {
+  return { text: delta.text, tokenIds: delta.tokenIds, logprobs: delta.logprobs };
+}
+
+const USAGE_ZERO: Usage = { promptTokens: 0, completionTokens: 0, cachedTokens: 0 };
+
+export function resultFromProto(r: GenerateResponse | Final, text?: string): GenerationResult {
+  return {
+    text: text ?? (r as GenerateResponse).text,
+    tokenIds: r.tokenIds,
+    finishReason: finishReasonName(r.finishReason),
+    stopSequence: r.stopSequence,
+    logprobs: r.logprobs,
+    usage: r.usage ?? { ...USAGE_ZERO },
+    seed: r.seed,
+    sessionId: r.sessionId || undefined,
+    sessionTokens: r.sessionTokens,
+    requestId: r.requestId,
+    toolCalls: r.toolCalls,
+  };
+}
+
+export function sessionFromProto(s: SessionProto | undefined): SessionInfo {
+  if (s === undefined) throw new TypeError("the server sent no session");
+  return {
+    sessionId: s.sessionId,
+    createdAt: s.createdAt,
+    lastUsedAt: s.lastUsedAt,
+    historyTokens: s.historyTokens,
+    turns: s.turns,
+    idleTtlSeconds: s.idleTtlSeconds,
+    busy: s.busy,
+    metadata: { ...s.metadata },
+  };
+}
+
+export function modelInfoFromProto(m: ModelInfoProto | undefined): ModelInfo {
+  if (m === undefined) throw new TypeError("the server sent no model_info");
+  const kind = RunnerKind[m.runnerKind] ?? String(m.runnerKind);
+  return { ...m, runnerKind: kind.replace(/^RUNNER_KIND_/, "") };
+}
