@@ -18,10 +18,13 @@ SOURCES = (
     "bench",
     "docs",
     "k8s",
+    "clients",
 )
+# Build output and installed dependencies under SOURCES (not ours to check).
+SKIPPED_DIRS = {"_proto", "results", "node_modules", "gen", "dist"}
 # The team's shared notes live outside the repository; nothing here cites them.
 OUTSIDE = ("DESIGN.md", "DESIGN §", "MODEL_NOTES.md", "STYLE.md", "../shared")
-SUFFIXES = {".py", ".pyi", ".proto", ".md", ".yaml", ".yml"}
+SUFFIXES = {".py", ".pyi", ".proto", ".md", ".yaml", ".yml", ".go", ".ts"}
 # A citation: docs/design.md, "Section" (the comma may be left out).
 CITATION = re.compile(r'docs/design\.md,? "([^"]+)"')
 # A cross-reference inside docs/design.md: (see "Section").
@@ -33,7 +36,7 @@ def _files() -> Iterator[Path]:
     yield ROOT / "Makefile"
     for top in SOURCES:
         for path in sorted((ROOT / top).rglob("*")):
-            if "_proto" in path.parts or "results" in path.parts or path == Path(__file__):
+            if SKIPPED_DIRS & set(path.parts) or path == Path(__file__):
                 continue
             if path.is_file() and path.suffix in SUFFIXES:
                 yield path
