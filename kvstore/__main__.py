@@ -18,6 +18,7 @@ import structlog
 from genai_common.credentials import read_secret_file
 from genai_common.logging import configure_logging
 from kvstore.protocol import AUTH_TOKEN_ENV
+from kvstore.redis_tier import REDIS_PASSWORD_ENV, REDIS_URL_ENV, RedisConfig
 from kvstore.server import KvStoreConfig, serve
 
 _UNITS = {
@@ -47,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="genai-kvstore",
         description=(
-            "KV-cache blob store (kvstore.v1.KvStore): memory tier + optional disk tier. "
+            "KV-cache blob store (kvstore.v1.KvStore): memory tier + optional disk tier "
+            "+ optional Redis (Cluster) tier shared with other kvstores. "
             "Every KvStore RPC requires 'authorization: Bearer <token>' (health and "
             "reflection stay open): give the token with --auth-token-file, "
             f"${AUTH_TOKEN_ENV} or --auth-token, or start with --insecure."
@@ -126,6 +128,56 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PEM",
         help="require client certificates (mTLS)",
     )
+    redis_defaults = RedisConfig(url="redis://localhost")  # for the defaults only
+    shared = parser.add_argument_group("Redis tier (docs/design.md, 'Redis tier')")
+    shared.add_argument(
+        "--redis",
+        default=None,
+        metavar="URL",
+        help="Redis behind the local tiers, shared by kvstores: redis://HOST:PORT[/DB], "
+        "rediss:// for TLS, redis+cluster:// or rediss+cluster:// (any node) for a Redis "
+        f"Cluster (default: ${REDIS_URL_ENV}, else no Redis tier). Give a password with "
+        f"--redis-password-file or ${REDIS_PASSWORD_ENV} rather than in the url (argv is "
+        "visible to ps)",
+    )
+    shared.add_argument(
+        "--redis-cluster", action="store_true", help="the url is a Redis Cluster node"
+    )
+    shared.add_argument(
+        "--redis-password-file",
+        default=None,
+        metavar="PATH",
+        help="file holding the Redis password (surrounding whitespace stripped)",
+    )
+    shared.add_argument(
+        "--redis-ttl-s",
+        type=int,
+        default=redis_defaults.ttl_s,
+        help="expiry of every value written to Redis, 0 for none: then Redis's "
+        "maxmemory-policy (allkeys-lru) evicts (default %(default)s)",
+    )
+    shared.add_argument(
+        "--redis-timeout-ms",
+        type=int,
+        default=redis_defaults.timeout_ms,
+        help="bound on one Redis operation; slower is a miss (default %(default)s)",
+    )
+    shared.add_argument(
+        "--redis-split-bytes",
+        type=parse_bytes,
+        default=redis_defaults.split_bytes,
+        help="blobs above this are stored as parts of this size (default %(default)s)",
+    )
+    shared.add_argument(
+        "--redis-key-prefix",
+        default=redis_defaults.key_prefix,
+        help="prefix of every Redis key (default %(default)s)",
+    )
+    shared.add_argument("--redis-tls-ca-file", default=None, metavar="PEM", help="rediss:// CA")
+    shared.add_argument(
+        "--redis-tls-cert-file", default=None, metavar="PEM", help="rediss:// client cert"
+    )
+    shared.add_argument("--redis-tls-key-file", default=None, metavar="PEM")
     parser.add_argument(
         "--grace-s",
         type=float,
@@ -148,6 +200,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Kv
     else:
         token = args.auth_token or environ.get(AUTH_TOKEN_ENV) or None
     return KvStoreConfig(
+        redis=redis_config(args, environ),
         host=args.host,
         port=args.port,
         memory_bytes=args.memory_bytes,
@@ -160,6 +213,28 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Kv
         tls_key_file=args.tls_key_file,
         tls_client_ca_file=args.tls_client_ca_file,
         grace_s=args.grace_s,
+    )
+
+
+def redis_config(args: argparse.Namespace, environ: Mapping[str, str]) -> RedisConfig | None:
+    url = args.redis or environ.get(REDIS_URL_ENV)
+    if not url:
+        return None
+    if args.redis_password_file:
+        password: str | None = read_secret_file(args.redis_password_file, "--redis-password-file")
+    else:
+        password = environ.get(REDIS_PASSWORD_ENV) or None
+    return RedisConfig(
+        url=url,
+        cluster=args.redis_cluster,
+        password=password,
+        ttl_s=args.redis_ttl_s,
+        timeout_ms=args.redis_timeout_ms,
+        split_bytes=args.redis_split_bytes,
+        key_prefix=args.redis_key_prefix,
+        tls_ca_file=args.redis_tls_ca_file,
+        tls_cert_file=args.redis_tls_cert_file,
+        tls_key_file=args.redis_tls_key_file,
     )
 
 

@@ -89,6 +89,7 @@ def _tier(stats: kvstore_pb2.TierStats) -> TierStats:
         misses=stats.misses,
         evictions=stats.evictions,
         checksum_failures=stats.checksum_failures,
+        errors=stats.errors,
     )
 
 
@@ -97,6 +98,7 @@ def _store_stats(response: kvstore_pb2.StatsResponse) -> StoreStats:
         memory=_tier(response.memory),
         disk=_tier(response.disk) if response.HasField("disk") else None,
         put_checksum_failures=response.put_checksum_failures,
+        redis=_tier(response.redis) if response.HasField("redis") else None,
     )
 
 

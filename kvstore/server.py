@@ -37,6 +37,7 @@ from kvstore.protocol import (
     SERVICE_NAME,
     key_error,
 )
+from kvstore.redis_tier import RedisConfig, RedisTier
 from kvstore.stats import TierStats
 from kvstore.store import BlobStore
 
@@ -63,6 +64,7 @@ class KvStoreConfig:
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = None  # PEM; require client certificates (mTLS)
     grace_s: float = 5.0  # how long stop() lets in-flight RPCs finish
+    redis: RedisConfig | None = None  # the shared tier behind memory and disk; None: none
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -173,7 +175,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
             )
         for i, key in enumerate(keys):
             _check_key(key, f"keys[{i}]")
-        return kvstore_pb2.LookupResponse(present_prefix_count=self._store.lookup(keys))
+        return kvstore_pb2.LookupResponse(present_prefix_count=await self._store.lookup(keys))
 
     @_streaming
     async def Get(
@@ -271,6 +273,8 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
         )
         if stats.disk is not None:
             response.disk.CopyFrom(_tier_pb(stats.disk))
+        if stats.redis is not None:
+            response.redis.CopyFrom(_tier_pb(stats.redis))
         return response
 
 
@@ -349,6 +353,7 @@ class RunningServer:
         self._stopped = True
         await self._health.enter_graceful_shutdown()
         await self.server.stop(self._grace_s if grace_s is None else grace_s)
+        await self.store.close()
         log.info("kvstore stopped", port=self.port)
 
     async def wait_for_termination(self) -> None:
@@ -358,7 +363,8 @@ class RunningServer:
 async def start_server(config: KvStoreConfig) -> RunningServer:
     """Open the store (re-indexing the disk tier), bind and start serving."""
     disk = DiskTier(config.disk_dir, config.disk_bytes) if config.disk_dir else None
-    store = BlobStore(MemoryTier(config.memory_bytes), disk)
+    redis = RedisTier(config.redis) if config.redis else None
+    store = BlobStore(MemoryTier(config.memory_bytes), disk, redis)
     await store.open()
 
     interceptors: list[grpc.aio.ServerInterceptor] = [TolerantDecoding((SERVICE_NAME,))]
@@ -415,6 +421,10 @@ async def start_server(config: KvStoreConfig) -> RunningServer:
         auth=bool(config.auth_token),
         tls=bool(config.tls_cert_file),
         mtls=bool(config.tls_client_ca_file),
+        redis=config.redis.address if config.redis else None,
+        redis_cluster=bool(config.redis and config.redis.is_cluster),
+        redis_ttl_s=config.redis.ttl_s if config.redis else None,
+        redis_split_bytes=config.redis.split_bytes if config.redis else None,
     )
     return RunningServer(server, health_servicer, store, port, config.grace_s)
 

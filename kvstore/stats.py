@@ -16,15 +16,19 @@ class TierStats:
     misses: int  # Gets that reached this tier and found nothing usable
     evictions: int  # blobs removed to make room
     checksum_failures: int  # corrupt copies found and dropped
+    # Operations that failed (Redis: refused, timeout, cluster down; each a
+    # miss for reads, a write kept only locally); always 0 for memory and disk.
+    errors: int = 0
 
 
 @dataclass(frozen=True)
 class StoreStats:
-    """The whole store: the memory tier and, when configured, the disk tier."""
+    """The whole store: the memory tier and, when configured, the disk and Redis tiers."""
 
     memory: TierStats
     disk: TierStats | None
     put_checksum_failures: int  # Put streams refused with DATA_LOSS
+    redis: TierStats | None = None
 
 
 @dataclass(frozen=True)

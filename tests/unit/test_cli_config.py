@@ -21,6 +21,7 @@ from genai_service.config import (
     SpeculationConfig,
 )
 from kvstore import __main__ as kvstore_main
+from kvstore.redis_tier import RedisConfig
 from kvstore.server import KvStoreConfig as KvStoreServerConfig
 
 # Flags that set no single field (files read into one, the model, the target).
@@ -118,7 +119,15 @@ def test_every_kvstore_flag_is_named_after_its_field_and_defaults_to_it() -> Non
     parser = kvstore_main.build_parser()
     fields = {f.name for f in dataclasses.fields(KvStoreServerConfig)}
     for action in _flags(parser):
-        if action.dest in ("auth_token_file", "log_format", "log_level"):
+        if action.dest in ("auth_token_file", "log_format", "log_level", "redis_password_file"):
+            continue
+        if action.dest == "redis":  # the url of the RedisConfig in KvStoreConfig.redis
+            continue
+        if action.dest.startswith("redis_"):  # --redis-X sets RedisConfig.X
+            name = action.dest.removeprefix("redis_")
+            assert name in {f.name for f in dataclasses.fields(RedisConfig)}, action.dest
+            assert "--" + action.dest.replace("_", "-") == action.option_strings[0]
+            assert action.default == _field_default(RedisConfig, name)
             continue
         assert action.dest in fields, action.dest
         assert "--" + action.dest.replace("_", "-") == action.option_strings[0]

@@ -1,0 +1,143 @@
+"""Run ``redis-server`` (one node, or a 3-master Redis Cluster) on free 127.0.0.1 ports.
+
+Every process is started in its own temporary directory, with persistence off,
+and stopped by its PID. Callers check ``require_tool("redis-server")`` and
+``require_tool("redis-cli")`` first (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from tests.server_harness import free_port
+
+_START_TIMEOUT_S = 20.0
+
+
+def _cli(port: int, *args: str, timeout_s: float = 10.0) -> str:
+    return subprocess.run(
+        ["redis-cli", "-h", "127.0.0.1", "-p", str(port), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    ).stdout
+
+
+class RedisNode:
+    """One ``redis-server`` on a free loopback port (``extra`` args appended)."""
+
+    def __init__(self, directory: Path, *extra: str, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.directory = directory
+        self.extra = extra
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def start(self) -> RedisNode:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        log = open(self.directory / "redis.log", "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [
+                "redis-server",
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--dir",
+                str(self.directory),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                *self.extra,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        log.close()
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+            if _cli(self.port, "PING", timeout_s=2).strip() == "PONG":
+                return self
+            time.sleep(0.05)
+        raise TimeoutError(f"redis-server on {self.port} did not start")
+
+    def cli(self, *args: str) -> str:
+        return _cli(self.port, *args)
+
+    def kill(self) -> None:
+        """SIGKILL (a crash: no shutdown, no goodbye to the cluster)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    stop = kill
+
+
+class RedisClusterNodes:
+    """Three masters, no replicas: ``redis-cli --cluster create``, then cluster_state:ok.
+
+    ``cluster-require-full-coverage no``: the shards left serve their slots
+    when one dies, as a cache should be configured (docs/design.md, "Redis tier").
+    """
+
+    def __init__(self, directory: Path, masters: int = 3) -> None:
+        self.nodes = [
+            RedisNode(
+                directory / f"node{i}",
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                "1000",
+                "--cluster-require-full-coverage",
+                "no",
+                # The bus port defaults to port + 10000, which a free port may not allow.
+                "--cluster-port",
+                str(free_port()),
+            )
+            for i in range(masters)
+        ]
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    def start(self) -> RedisClusterNodes:
+        for node in self.nodes:
+            node.start()
+        addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
+        out = subprocess.run(
+            ["redis-cli", "--cluster", "create", *addresses]
+            + ["--cluster-replicas", "0", "--cluster-yes"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout}{out.stderr}")
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if all("cluster_state:ok" in node.cli("CLUSTER", "INFO") for node in self.nodes):
+                return self
+            time.sleep(0.1)
+        raise TimeoutError("the Redis Cluster did not reach cluster_state:ok")
+
+    def keys_per_node(self) -> list[int]:
+        return [int(node.cli("DBSIZE").strip() or 0) for node in self.nodes]
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.kill()
