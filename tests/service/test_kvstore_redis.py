@@ -19,6 +19,7 @@ import pytest_asyncio
 import redis
 from redis.asyncio.cluster import ClusterNode
 
+from bench.redis_procs import RedisClusterNodes, RedisNode
 from kvstore.__main__ import build_parser, config_from_args
 from kvstore.checksum import checksum
 from kvstore.client import AsyncKvStoreClient, KvStoreClient
@@ -26,7 +27,6 @@ from kvstore.redis_tier import REDIS_PASSWORD_ENV, REDIS_URL_ENV, RedisConfig
 from kvstore.server import KvStoreConfig, RunningServer, start_server
 from tests.conftest import require_tool
 from tests.kvstore_harness import DATA_PLANE_TOKEN, KvStoreProcess
-from tests.redis_harness import RedisClusterNodes, RedisNode
 
 MiB = 1 << 20
 SPLIT = 64 << 10  # small parts, so split blobs stay small in the tests

@@ -1,8 +1,9 @@
 """Run ``redis-server`` (one node, or a 3-master Redis Cluster) on free 127.0.0.1 ports.
 
 Every process is started in its own temporary directory, with persistence off,
-and stopped by its PID. Callers check ``require_tool("redis-server")`` and
-``require_tool("redis-cli")`` first (tests/conftest.py).
+and stopped by its PID. Used by the tests (which check
+``require_tool("redis-server")`` and ``require_tool("redis-cli")`` first,
+tests/conftest.py) and by the multi-replica benchmark (bench/fleet.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.server_harness import free_port
+from .procs import free_port
 
 _START_TIMEOUT_S = 20.0
 
@@ -91,7 +92,7 @@ class RedisClusterNodes:
     when one dies, as a cache should be configured (docs/design.md, "Redis tier").
     """
 
-    def __init__(self, directory: Path, masters: int = 3) -> None:
+    def __init__(self, directory: Path, masters: int = 3, *extra: str) -> None:
         self.nodes = [
             RedisNode(
                 directory / f"node{i}",
@@ -106,6 +107,7 @@ class RedisClusterNodes:
                 # The bus port defaults to port + 10000, which a free port may not allow.
                 "--cluster-port",
                 str(free_port()),
+                *extra,
             )
             for i in range(masters)
         ]
@@ -137,6 +139,21 @@ class RedisClusterNodes:
 
     def keys_per_node(self) -> list[int]:
         return [int(node.cli("DBSIZE").strip() or 0) for node in self.nodes]
+
+    def used_memory(self) -> list[int]:
+        """Each master's ``used_memory`` (bytes)."""
+        out = []
+        for node in self.nodes:
+            info = dict(
+                line.split(":", 1) for line in node.cli("INFO", "memory").split() if ":" in line
+            )
+            out.append(int(info.get("used_memory", 0)))
+        return out
+
+    def flush(self) -> None:
+        for node in self.nodes:
+            if node.proc is not None and node.proc.poll() is None:
+                node.cli("FLUSHALL")
 
     def stop(self) -> None:
         for node in self.nodes:

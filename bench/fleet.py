@@ -1,0 +1,293 @@
+"""Several replicas on one machine sharing one Redis Cluster (issue 17, item 4).
+
+``fleet()`` starts a 3-master Redis Cluster (bench/redis_procs.py) and a
+``Fleet``: N ``genai-server``
+replicas, each with its own ``genai-kvstore`` sidecar whose shared tier is
+that cluster, all sealing KV with one integrity key. ``run_sessions`` sends
+a set of multi-turn sessions through them, each turn to the replica a route
+picks (``affinity``: always the session's own; ``round_robin``: the next
+one each turn), and records tokens, time to first token and reuse per turn.
+The test (tests/service/test_fleet.py) checks the tokens against one
+server's; ``make bench --sections fleet`` reports the timings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from genai_client import Client
+from kvstore.client import KvStoreClient
+from kvstore.stats import TierStats
+
+from .procs import free_port
+from .redis_procs import RedisClusterNodes
+
+SERVER_START_TIMEOUT_S = 300.0
+
+
+def _wait_serving(target: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
+            with contextlib.suppress(grpc.RpcError):
+                request = health_pb2.HealthCheckRequest()
+                if stub.Check(request, timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            time.sleep(0.1)
+    raise TimeoutError(f"{target} did not start serving within {timeout_s} s")
+
+
+def _stop(proc: subprocess.Popen[bytes] | None, timeout_s: float = 10.0) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout_s)
+
+
+@dataclass
+class Replica:
+    """One genai-server and its genai-kvstore sidecar."""
+
+    port: int
+    kv_port: int
+    metrics_port: int
+    server: subprocess.Popen[bytes] | None = None
+    kvstore: subprocess.Popen[bytes] | None = None
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def metrics(self) -> dict[str, float]:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        values = {}
+        for line in text.splitlines():
+            match = re.fullmatch(r"([a-zA-Z_:]+) ([0-9.e+-]+)", line)
+            if match:
+                values[match[1]] = float(match[2])
+        return values
+
+
+class Fleet:
+    """``replicas`` servers on ``model_dir``, each with a sidecar kvstore whose
+    shared tier is ``redis_url`` (None: sidecars only, nothing shared)."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        replicas: int = 3,
+        redis_url: str | None = None,
+        server_args: tuple[str, ...] = (),
+        kvstore_memory_bytes: int = 256 * 1024 * 1024,
+        log_dir: Path | None = None,
+    ) -> None:
+        self.model_dir = model_dir
+        self.redis_url = redis_url
+        self.server_args = server_args
+        self.kvstore_memory_bytes = kvstore_memory_bytes
+        self.dir = Path(tempfile.mkdtemp(prefix="genai-fleet-"))
+        self.log_dir = log_dir or self.dir
+        self.token = secrets.token_urlsafe(24)
+        self.key_file = self.dir / "kv-integrity.key"
+        self.key_file.write_text(secrets.token_hex(32))
+        self.key_file.chmod(0o600)
+        self.replicas = [Replica(free_port(), free_port(), free_port()) for _ in range(replicas)]
+
+    def start(self) -> Fleet:
+        env = {**os.environ, "GENAI_KVSTORE_AUTH_TOKEN": self.token}
+        try:
+            for i, r in enumerate(self.replicas):
+                kv_args = [
+                    "--port",
+                    str(r.kv_port),
+                    "--memory-bytes",
+                    str(self.kvstore_memory_bytes),
+                ]
+                if self.redis_url:
+                    kv_args += ["--redis", self.redis_url]
+                r.kvstore = self._spawn([sys.executable, "-m", "kvstore", *kv_args], env, f"kv{i}")
+            for r in self.replicas:
+                assert r.kvstore is not None
+                _wait_serving(f"127.0.0.1:{r.kv_port}", r.kvstore, 30)
+            for i, r in enumerate(self.replicas):
+                args = [
+                    sys.executable, "-m", "genai_service", "--model", self.model_dir,
+                    "--port", str(r.port), "--kvstore", f"127.0.0.1:{r.kv_port}",
+                    "--metrics-port", str(r.metrics_port),
+                    "--kv-integrity-key-file", str(self.key_file), *self.server_args,
+                ]  # fmt: skip
+                r.server = self._spawn(args, env, f"server{i}")
+            for r in self.replicas:
+                assert r.server is not None
+                _wait_serving(r.target, r.server, SERVER_START_TIMEOUT_S)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, args: list[str], env: dict[str, str], name: str) -> subprocess.Popen[bytes]:
+        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
+        return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def stop(self) -> None:
+        for r in self.replicas:
+            _stop(r.server)
+        for r in self.replicas:
+            _stop(r.kvstore)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def kvstore_stats(self) -> list[dict[str, float]]:
+        """The engines' kvstore counters (fetched bytes, hits, ...) per replica."""
+        out = []
+        for r in self.replicas:
+            m = r.metrics()
+            out.append({k[len("genai_engine_kvstore_") :]: v for k, v in m.items()
+                        if k.startswith("genai_engine_kvstore_")})  # fmt: skip
+        return out
+
+    def redis_stats(self) -> list[TierStats | None]:
+        """Each sidecar's Redis tier counters (hits, misses, errors)."""
+        out = []
+        for r in self.replicas:
+            with KvStoreClient(f"127.0.0.1:{r.kv_port}", auth_token=self.token) as client:
+                out.append(client.stats(timeout_s=10).redis)
+        return out
+
+    def engine_stats(self, name: str) -> list[float]:
+        return [r.metrics().get(f"genai_engine_{name}", 0.0) for r in self.replicas]
+
+
+# -- sessions through the fleet ---------------------------------------------------
+
+SESSION_PROMPTS = (
+    "Tell me about the history of {topic}.",
+    "What happened next with {topic}?",
+    "Name one person who mattered for {topic}.",
+    "Why does {topic} matter today?",
+    "Summarise {topic} in one sentence.",
+)
+TOPICS = (
+    "the printing press", "steam engines", "the telegraph", "radio", "aviation", "vaccines",
+    "electric light", "photography", "railways", "the bicycle", "refrigeration", "the compass",
+)  # fmt: skip
+
+Route = Callable[[int, int, int], int]  # (session, turn, replicas) -> replica index
+
+
+def affinity(session: int, turn: int, replicas: int) -> int:
+    return session % replicas
+
+
+def round_robin(session: int, turn: int, replicas: int) -> int:
+    return (session + turn) % replicas
+
+
+@dataclass
+class Turn:
+    session: int
+    turn: int
+    replica: int
+    token_ids: tuple[int, ...]
+    ttft_s: float
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class SessionRun:
+    turns: list[Turn] = field(default_factory=list)
+
+    def tokens(self) -> dict[tuple[int, int], tuple[int, ...]]:
+        return {(t.session, t.turn): t.token_ids for t in self.turns}
+
+    def of_turn(self, turn: int) -> list[Turn]:
+        return [t for t in self.turns if t.turn == turn]
+
+
+def run_sessions(
+    targets: list[str],
+    route: Route,
+    sessions: int = 12,
+    turns: int = 5,
+    new_tokens: int = 16,
+    timeout_s: float = 120.0,
+) -> SessionRun:
+    """Create ``sessions`` sessions (session s on replica ``route(s, 0)``) and
+    run ``turns`` greedy turns of each, turn by turn, each on ``route(s, t)``."""
+    clients = [Client(target, timeout=timeout_s) for target in targets]
+    run = SessionRun()
+    try:
+        ids = [
+            clients[route(s, 0, len(targets))].create_session().session_id for s in range(sessions)
+        ]
+        for t in range(turns):
+            for s in range(sessions):
+                replica = route(s, t, len(targets))
+                text = SESSION_PROMPTS[t % len(SESSION_PROMPTS)].format(
+                    topic=TOPICS[s % len(TOPICS)]
+                )
+                started = time.perf_counter()
+                stream = clients[replica].stream(
+                    messages=[("user", text)], session_id=ids[s],
+                    max_new_tokens=new_tokens, ignore_eos=True,
+                )  # fmt: skip
+                first: float | None = None
+                for delta in stream:
+                    if first is None and delta.token_ids:
+                        first = time.perf_counter() - started
+                result = stream.result
+                run.turns.append(
+                    Turn(s, t, replica, tuple(result.token_ids), first or 0.0,
+                         result.usage.prompt_tokens, result.usage.cached_tokens)
+                )  # fmt: skip
+        for s in range(sessions):
+            with contextlib.suppress(Exception):
+                clients[route(s, turns, len(targets))].close_session(ids[s])
+    finally:
+        for client in clients:
+            client.close()
+    return run
+
+
+# The shared tier of a benchmark fleet: LRU-evicting, as a cache should be.
+REDIS_ARGS = ("--maxmemory", "512mb", "--maxmemory-policy", "allkeys-lru")
+
+
+@contextlib.contextmanager
+def fleet(
+    model_dir: str, replicas: int = 3, **kw: object
+) -> Iterator[tuple[RedisClusterNodes, Fleet]]:
+    cluster = RedisClusterNodes(Path(tempfile.mkdtemp(prefix="genai-redis-")), 3, *REDIS_ARGS)
+    try:
+        cluster.start()
+        group = Fleet(model_dir, replicas, redis_url=cluster.url, **kw).start()  # type: ignore[arg-type]
+        try:
+            yield cluster, group
+        finally:
+            group.stop()
+    finally:
+        cluster.stop()
