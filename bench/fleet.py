@@ -291,3 +291,96 @@ def fleet(
             group.stop()
     finally:
         cluster.stop()
+
+
+# -- the benchmark section ----------------------------------------------------------
+
+
+def _median(xs: list[float]) -> float:
+    ys = sorted(xs)
+    n = len(ys)
+    return (ys[n // 2] if n % 2 else (ys[n // 2 - 1] + ys[n // 2]) / 2) if ys else float("nan")
+
+
+def _summary(run: SessionRun, turns: int) -> dict:
+    later = [t for t in run.turns if t.turn > 0]
+    prompt = sum(t.prompt_tokens for t in later)
+    return {
+        "ttft_s_by_turn": [_median([t.ttft_s for t in run.of_turn(i)]) for i in range(turns)],
+        "hit_rate_after_turn_1": sum(t.cached_tokens for t in later) / prompt if prompt else 0.0,
+    }
+
+
+def measure(
+    model_dir: str, threads: int = 2, sessions: int = 12, turns: int = 5, new_tokens: int = 32
+) -> dict:
+    """One server alone, then three replicas sharing a Redis Cluster: the same
+    sessions with affinity and with round robin (each on fresh replicas and an
+    empty cluster, so neither reuses the other's KV). Tokens are compared with
+    the single server's."""
+    server_args = ("--threads", str(threads))
+    targets_single = Fleet(model_dir, 1, server_args=server_args).start()
+    try:
+        one = run_sessions(
+            [targets_single.replicas[0].target], affinity, sessions, turns, new_tokens
+        )
+    finally:
+        targets_single.stop()
+    result: dict = {"sessions": sessions, "turns": turns, "new_tokens": new_tokens, "modes": {}}
+    for name, route in (("affinity", affinity), ("round_robin", round_robin)):
+        with fleet(model_dir, 3, server_args=server_args) as (cluster, group):
+            run = run_sessions(
+                [r.target for r in group.replicas], route, sessions, turns, new_tokens
+            )
+            kv = group.kvstore_stats()
+            redis = group.redis_stats()
+            result["modes"][name] = {
+                **_summary(run, turns),
+                "tokens_identical_to_one_server": run.tokens() == one.tokens(),
+                "fetched_bytes": sum(s.get("fetched_bytes", 0) for s in kv),
+                "pushed_chunks": sum(s.get("pushed_chunks", 0) for s in kv),
+                "sessions_restored": sum(group.engine_stats("sessions_restored")),
+                "sessions_replaced": sum(group.engine_stats("sessions_replaced")),
+                "redis_hits": sum(s.hits for s in redis if s is not None),
+                "redis_keys": sum(cluster.keys_per_node()),
+                "redis_used_bytes": sum(cluster.used_memory()),
+            }
+    result["single_server"] = _summary(one, turns)
+    return result
+
+
+def markdown(result: dict) -> list[str]:
+    modes, single = result["modes"], result["single_server"]
+    turns = result["turns"]
+    header = ["", "one server", *modes]
+    rows = [
+        [f"turn {i + 1} TTFT, median of {result['sessions']} sessions (ms)",
+         f"{single['ttft_s_by_turn'][i] * 1e3:.0f}",
+         *(f"{m['ttft_s_by_turn'][i] * 1e3:.0f}" for m in modes.values())]
+        for i in range(turns)
+    ]  # fmt: skip
+    rows += [
+        ["prompt tokens reused, turns 2+", f"{single['hit_rate_after_turn_1']:.2f}",
+         *(f"{m['hit_rate_after_turn_1']:.2f}" for m in modes.values())],
+        ["tokens identical to one server's", "–",
+         *("yes" if m["tokens_identical_to_one_server"] else "**no**" for m in modes.values())],
+        ["KV bytes fetched from kvstores (MB)", "–",
+         *(f"{m['fetched_bytes'] / 1e6:.0f}" for m in modes.values())],
+        ["sessions restored / stale copies replaced", "–",
+         *(f"{m['sessions_restored']:.0f} / {m['sessions_replaced']:.0f}" for m in modes.values())],
+        ["Redis hits / keys / used MB", "–",
+         *(f"{m['redis_hits']} / {m['redis_keys']} / {m['redis_used_bytes'] / 1e6:.0f}"
+           for m in modes.values())],
+    ]  # fmt: skip
+    lines = [
+        f"{result['sessions']} sessions x {turns} turns of {result['new_tokens']} greedy tokens, "
+        "turn by turn; three replicas, each with a sidecar kvstore, sharing a 3-master Redis "
+        "Cluster (affinity: a session's turns on its replica; round robin: the next replica "
+        "each turn, so turn 2 restores the session on a replica that never saw it and turns "
+        "4-5 replace a stale copy).",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return lines

@@ -618,6 +618,11 @@ def markdown(r: Results) -> str:
         "bench.constrained_bench",
         r.get("constrained"),
     )
+    lines += _own_table(
+        "Beyond one node: sessions across three replicas sharing Redis (bench/fleet.py)",
+        "bench.fleet",
+        r.get("fleet"),
+    )
     others = [t for t in tg if not (issue14 and t.get("issue14"))]
     if others:
         lines += ["### Other targets (issues 4 and 6)" if issue14 else "### Targets", ""]

@@ -51,10 +51,11 @@ SECTIONS = (
     "step_profile",
     "constrained",
     "kvstore",
+    "fleet",
 )
 # Sections run after the engines of the others are gone (they start their own, or
 # time CPU work that the others' idle threads would disturb).
-AFTER_CLOSE = ("sampler", "step_profile", "constrained", "kvstore")
+AFTER_CLOSE = ("sampler", "step_profile", "constrained", "kvstore", "fleet")
 DOC = REPO / "docs" / "benchmarks.md"
 DOC_HEADER = """# Benchmarks
 
@@ -259,6 +260,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # After the other engines are gone: it starts engines of its own.
         results["kvstore"] = kvstore_section(str(model_dir), plan.reps, args.threads)
         phases["kvstore"] = ledger.lap()
+    if "fleet" in sections:
+        from . import fleet  # servers, sidecars and a Redis Cluster of its own
+
+        results["fleet"] = fleet.measure(str(model_dir), threads=args.threads)
+        phases["fleet"] = ledger.lap()
     results["meta"]["phases"] = phases
     results["meta"]["elapsed_s"] = time.perf_counter() - started
     results["meta"]["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
