@@ -43,11 +43,13 @@ BASE = K8S / "base"
 SHARED = K8S / "overlays" / "shared-kvstore"
 AFFINITY = K8S / "overlays" / "session-affinity"
 INFERENCE_POOL = K8S / "overlays" / "inference-pool"
+REDIS_TIER = K8S / "overlays" / "redis-tier"
 RENDERINGS = {
     "base": BASE,
     "shared-kvstore": SHARED,
     "session-affinity": AFFINITY,
     "inference-pool": INFERENCE_POOL,
+    "redis-tier": REDIS_TIER,
 }
 # Workloads that run another project's image (not our entry points, user or
 # version); the endpoint picker is also the only one that calls the Kubernetes
@@ -369,6 +371,7 @@ def test_renders(name: str) -> None:
         "base": [],
         "shared-kvstore": ["Service", "StatefulSet", "NetworkPolicy"],
         "session-affinity": ["DestinationRule"],
+        "redis-tier": [],
         "inference-pool": [
             "InferencePool",
             "ServiceAccount",

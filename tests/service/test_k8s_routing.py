@@ -16,6 +16,7 @@ from tests.k8s_crds import validate_custom
 from tests.service.test_k8s import (
     container,
     deployment,
+    kvstore_args,
     named_port,
     one,
     pod_labels,
@@ -125,3 +126,29 @@ def test_endpoint_picker_reads_this_servers_metrics() -> None:
         assert set(rule["verbs"]) <= {"get", "list", "watch"}
     resources = {r for rule in role["rules"] for r in rule["resources"]}
     assert {"pods", "inferencepools"} <= resources
+
+
+def test_redis_tier_overlay_gives_the_sidecar_its_shared_tier() -> None:
+    from kvstore.__main__ import config_from_args
+    from kvstore.redis_tier import REDIS_PASSWORD_ENV, REDIS_URL_ENV
+
+    objects = rendered("redis-tier")
+    kv = container(pod_spec(deployment(objects)), "genai-kvstore")
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in kv["env"] if "valueFrom" in e}
+    assert env[REDIS_URL_ENV]["name"] == "genai-grpc-redis" and not env[REDIS_URL_ENV].get(
+        "optional"
+    )
+    assert env[REDIS_PASSWORD_ENV]["optional"] is True
+    args = kvstore_args(kv)
+    environ = {"GENAI_KVSTORE_AUTH_TOKEN": "t", REDIS_URL_ENV: "redis+cluster://redis:6379"}
+    config = config_from_args(args, environ)
+    assert config.redis is not None and config.redis.url.startswith("redis+cluster://")
+    # Nothing else in the pod differs from the base.
+    base = rendered("base")
+    base_kv = container(pod_spec(deployment(base)), "genai-kvstore")
+    assert [e for e in kv["env"] if e["name"] not in env or "REDIS" not in e["name"]] == (
+        base_kv["env"]
+    )
+    assert [o for o in objects if o["kind"] != "Deployment"] == [
+        o for o in base if o["kind"] != "Deployment"
+    ]
