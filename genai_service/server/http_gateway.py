@@ -55,8 +55,9 @@ class _EventStream(StreamingResponse):
     """An SSE response whose generator is closed however the response ends
     (a client that disconnects mid-stream aborts the engine request)."""
 
-    def __init__(self, body: AsyncIterator[bytes], events: Any) -> None:
-        super().__init__(body, media_type="text/event-stream", headers=_SSE_HEADERS)
+    def __init__(self, body: AsyncIterator[bytes], events: Any, request_id: str) -> None:
+        headers = {**_SSE_HEADERS, "x-request-id": request_id}
+        super().__init__(body, media_type="text/event-stream", headers=headers)
         self.events = events
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -122,7 +123,8 @@ class HttpGateway:
 
     async def stop(self, grace_s: float) -> None:
         """Close the port; responses still being written get ``grace_s``."""
-        if self._ticker is None:
+        if self._ticker is None:  # never started
+            self.socket.close()
             return
         self.server.config.timeout_graceful_shutdown = grace_s  # type: ignore[assignment]
         self.server.should_exit = True
@@ -192,7 +194,7 @@ class HttpGateway:
         reply = openai_api.Reply(call, info.model_id if info else "", rid)
         if call.stream:
             body = self._stream(name, reply, first, events, started)
-            return _EventStream(body, events)
+            return _EventStream(body, events, rid)
         text: list[str] = []
         event: Any = first
         try:

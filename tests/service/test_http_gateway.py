@@ -115,11 +115,13 @@ def test_completions_logprobs_and_stop(client: openai.OpenAI) -> None:
     # A stop string taken from the unary answer ends it there.
     whole = client.completions.create(model="any", prompt="abc", max_tokens=8, temperature=0)
     text = whole.choices[0].text
-    if len(text) >= 3:
-        cut = client.completions.create(
-            model="any", prompt="abc", max_tokens=8, temperature=0, stop=[text[2:4]]
-        )
-        assert cut.choices[0].text == text[:2] and cut.choices[0].finish_reason == "stop"
+    assert len(text) >= 4
+    stop = text[2:4]
+    cut = client.completions.create(
+        model="any", prompt="abc", max_tokens=8, temperature=0, stop=[stop]
+    )
+    assert cut.choices[0].text == text[: text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
 
 
 def test_invalid_parameters_are_bad_requests_naming_the_field(client: openai.OpenAI) -> None:
@@ -270,10 +272,18 @@ def test_curl_streams_server_sent_events(server: ServerThread) -> None:
         capture_output=True, text=True, timeout=90, check=True,
     ).stdout  # fmt: skip
     events = [line[len("data: ") :] for line in out.splitlines() if line.startswith("data: ")]
+    assert events, out
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert all(c["object"] == "text_completion" for c in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    headers = subprocess.run(
+        [curl, "-sS", "-N", "-D", "-", "-o", "/dev/null", "--max-time", "60",
+         "-H", "Content-Type: application/json", "-H", "X-Request-Id: curl-1",
+         "-d", json.dumps(body), f"{base_url(server)}/completions"],
+        capture_output=True, text=True, timeout=90, check=True,
+    ).stdout.lower()  # fmt: skip
+    assert "content-type: text/event-stream" in headers and "x-request-id: curl-1" in headers
     health = subprocess.run(
         [curl, "-s", "-o", "/dev/null", "-w", "%{http_code}",
          f"http://127.0.0.1:{server.server.http_port}/health"],  # type: ignore[union-attr]
