@@ -22,6 +22,7 @@ from typing import Any
 import structlog
 import uvicorn
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -87,6 +88,7 @@ class HttpGateway:
                 Route("/v1/sessions/{session_id}", self.close_session, methods=["DELETE"]),
                 Route("/health", self.health, methods=["GET"]),
             ],
+            exception_handlers={HTTPException: self._http_error},
         )
         self.socket = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -131,6 +133,13 @@ class HttpGateway:
         await self._ticker
         await self.server.shutdown(sockets=[self.socket])
         self._ticker = None
+
+    async def _http_error(self, request: Request, exc: Exception) -> Response:
+        """Starlette's own refusals (no such route, wrong method) in OpenAI's shape."""
+        assert isinstance(exc, HTTPException)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        error = {"message": f"{request.method} {request.url.path}: {exc.detail}", "type": kind}
+        return _json({"error": {**error, "param": None, "code": None}}, exc.status_code)
 
     # -- calls ------------------------------------------------------------------
 

@@ -533,7 +533,9 @@ class Reply:
         self.sent_role = False
         # With tools offered, streamed content stops where a call starts (the
         # call comes whole, as tool_calls, at the end).
-        self.hold = call.kind == CHAT and len(call.request.tools) > 0
+        self.hold = (
+            call.kind == CHAT and len(call.request.tools) > 0 and call.request.tool_choice != "none"
+        )
         self.buffer = ""
         self.in_call = False
 

@@ -351,3 +351,19 @@ def test_bearer_tokens_and_draining(tiny_model_dir: Path) -> None:
         srv.server.frontend.draining = False  # type: ignore[union-attr]
     finally:
         srv.stop()
+
+
+def test_unknown_routes_bad_bodies_and_methods_answer_in_openai_shape(server: ServerThread) -> None:
+    status, body = call(server, "GET", "/v1/nope")
+    assert status == 404 and body["error"]["type"] == "not_found_error"
+    status, body = call(server, "GET", "/v1/chat/completions")
+    assert status == 405 and body["error"]["type"] == "invalid_request_error"
+    status, body = call(server, "POST", "/v1/completions", ["not", "an", "object"])
+    assert status == 400 and body["error"]["param"] == "body"
+    status, body = call(server, "POST", "/v1/completions", {"prompt": "a", "stop": [1]})
+    assert status == 400 and body["error"]["param"] == "stop"
+    # The engine's own checks, named by the JSON field the client sent.
+    status, body = call(server, "POST", "/v1/completions", {"prompt": "a", "stop": ["x"] * 99})
+    assert status == 400 and body["error"]["param"] == "stop", body
+    status, body = call(server, "POST", "/v1/completions", {"prompt": "a", "logprobs": 6})
+    assert status == 400 and body["error"]["param"] == "logprobs"
