@@ -367,3 +367,65 @@ def test_unknown_routes_bad_bodies_and_methods_answer_in_openai_shape(server: Se
     assert status == 400 and body["error"]["param"] == "stop", body
     status, body = call(server, "POST", "/v1/completions", {"prompt": "a", "logprobs": 6})
     assert status == 400 and body["error"]["param"] == "logprobs"
+
+
+def test_sigterm_drains_the_http_plane_too(long_context_model_dir: Path, tmp_path: Path) -> None:
+    """The real `genai-server --http-port`: SIGTERM mid-stream; the SSE stream
+    completes while /health and new calls answer 503; exit 0, JSON logs only."""
+    import signal
+    import sys
+
+    port, http_port = free_port(), free_port()
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "genai_service", "--model", str(long_context_model_dir),
+             "--port", str(port), "--http-port", str(http_port), "--log-format", "json",
+             "--grace-period", "20"],
+            stdout=log_file, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+    def get(path: str) -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=5)
+        try:
+            conn.request("GET", path)
+            return conn.getresponse().status
+        finally:
+            conn.close()
+
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if get("/health") == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.1)
+        conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=60)
+        body = {"prompt": "the cat", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"}
+        )
+        response = conn.getresponse()
+        assert response.readline().startswith(b"data: ")
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while get("/health") == 200 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert get("/health") == 503 and get("/v1/models") == 503
+        assert proc.poll() is None
+        events = [line for line in response if line.startswith(b"data: ")]
+        assert events[-1] == b"data: [DONE]\n"
+        assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+        conn.close()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = log_path.read_text().splitlines()
+    assert all(line.startswith("{") for line in lines), lines
+    records = [json.loads(line) for line in lines]
+    assert "http_listening" in [r["event"] for r in records]
+    assert "stopped" in [r["event"] for r in records]
