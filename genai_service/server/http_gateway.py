@@ -29,7 +29,6 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from genai_common.errors import GenAIError, Internal, InvalidArgument, Unavailable
-from genai_proto.genai.v1 import generate_pb2
 
 from ..config import ServerConfig
 from ..engine.sessions import check_metadata
@@ -191,7 +190,7 @@ class HttpGateway:
             call = openai_api.parse(kind, await self._body(request), session_id)
             call.request.request_id = rid
             if session_id and kind == openai_api.CHAT:
-                await self._continue_session(call.request)
+                await self._continue_session(call)
             events = self.fe.events(call.request)
             # The first event before any byte goes out: a request the engine
             # refuses (bad value, queue full, busy session) gets its own HTTP
@@ -207,7 +206,7 @@ class HttpGateway:
         text: list[str] = []
         event: Any = first
         try:
-            while not isinstance(event, generate_pb2.Final):
+            while not openai_api.is_final(event):
                 text.append(event.text)
                 event = await anext(events)
         except Exception as exc:
@@ -228,7 +227,7 @@ class HttpGateway:
         code = "CANCELLED"  # until the stream ends (a disconnect leaves it so)
         try:
             while True:
-                if isinstance(event, generate_pb2.Final):
+                if openai_api.is_final(event):
                     for last in reply.final_chunks(event):
                         yield _sse(last)
                     yield b"data: [DONE]\n\n"
@@ -247,20 +246,12 @@ class HttpGateway:
             await events.aclose()
             self.fe.metrics.observe_rpc(name, code, started)
 
-    async def _continue_session(self, request: generate_pb2.GenerateRequest) -> None:
+    async def _continue_session(self, call: openai_api.Call) -> None:
         """OpenAI clients resend the whole conversation: a turn of a session
-        that has history sends only the messages after the last assistant one."""
-        info = await self.fe.engine.get_session(request.session_id, principal())
-        if info.history_tokens == 0:
-            return
-        new = openai_api.continuation(request.messages.messages)
-        if not new:
-            raise InvalidArgument(
-                "messages: nothing after the last assistant message; a session turn needs "
-                "a new message"
-            )
-        del request.messages.messages[:]
-        request.messages.messages.extend(new)
+        that has history sends only what follows the last answer."""
+        info = await self.fe.engine.get_session(call.request.session_id, principal())
+        if info.history_tokens > 0:
+            openai_api.continue_conversation(call)
 
     async def models(self, request: Request) -> Response:
         started = time.monotonic()

@@ -414,6 +414,22 @@ def continuation(
     return list(messages[last + 1 :])
 
 
+def continue_conversation(call: Call) -> None:
+    """Keep only the new messages of a chat turn of a session that has history."""
+    messages = call.request.messages.messages
+    new = continuation(messages)
+    if not new:
+        raise InvalidArgument(
+            "messages: nothing after the last assistant message; a session turn needs a new message"
+        )
+    del messages[:]
+    messages.extend(new)
+
+
+def is_final(event: generate_pb2.Delta | generate_pb2.Final) -> bool:
+    return isinstance(event, generate_pb2.Final)
+
+
 # -- errors -----------------------------------------------------------------------
 
 _PATH = re.compile(r"^(?P<path>[A-Za-z_][\w.\[\]]*): ")

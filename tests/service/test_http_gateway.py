@@ -256,6 +256,9 @@ def test_sessions_keep_the_kv_between_turns(server: ServerThread) -> None:
             other = c.post("/sessions", body={}, cast_to=dict)["id"]
             assert call(server, "DELETE", f"/v1/sessions/{other}")[0] == 200
         assert call(server, "GET", f"/v1/sessions/{sid}")[1]["turns"] == 2
+        resent = {"messages": [*CHAT, {"role": "assistant", "content": "ok"}]}
+        status, body = call(server, "POST", "/v1/chat/completions", resent, x_session_id=sid)
+        assert status == 400 and body["error"]["param"] == "messages"
         assert call(server, "DELETE", f"/v1/sessions/{sid}")[1]["deleted"] is True
         status, gone = call(server, "GET", f"/v1/sessions/{sid}")
         assert status == 404 and gone["error"]["type"] == "not_found_error"
