@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
+import prometheus_client
 import structlog
 import uvicorn
 from starlette.applications import Starlette
@@ -86,6 +87,7 @@ class HttpGateway:
                 Route("/v1/sessions/{session_id}", self.get_session, methods=["GET"]),
                 Route("/v1/sessions/{session_id}", self.close_session, methods=["DELETE"]),
                 Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.prometheus, methods=["GET"]),
             ],
             exception_handlers={HTTPException: self._http_error},
         )
@@ -268,6 +270,13 @@ class HttpGateway:
     async def health(self, request: Request) -> Response:
         serving = self.fe.engine.ready and not self.fe.draining
         return _json({"status": "ok" if serving else "unavailable"}, 200 if serving else 503)
+
+    async def prometheus(self, request: Request) -> Response:
+        """The --metrics-port registry on this port too, for scrapers that read
+        the model server's own port (the Inference Extension's endpoint picker);
+        open like /health and --metrics-port."""
+        body = prometheus_client.generate_latest(self.fe.metrics.registry)
+        return Response(body, media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
     # -- sessions (SessionService over HTTP) -------------------------------------
 

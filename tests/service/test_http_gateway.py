@@ -293,6 +293,11 @@ def test_curl_streams_server_sent_events(server: ServerThread) -> None:
         capture_output=True, text=True, timeout=30, check=True,
     ).stdout  # fmt: skip
     assert health == "200"
+    metrics = subprocess.run(
+        [curl, "-sS", f"http://127.0.0.1:{server.server.http_port}/metrics"],  # type: ignore[union-attr]
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout  # fmt: skip
+    assert 'genai_rpc_requests_total{code="OK",rpc="Completions"}' in metrics
 
 
 def test_client_disconnect_aborts_the_engine_request(long_context_model_dir: Path) -> None:
