@@ -322,6 +322,24 @@ def _issue6(r: Results) -> list[dict]:
                 "GB/s",
             )
         )
+    http = r.get("http")
+    if http:
+        out.append(
+            _target(
+                "issue 16: one stream's decode tok/s through HTTP/SSE ≥ 0.95× GenerateStream",
+                http["decode_ratio"],
+                0.95,
+                _ge,
+            )
+        )
+        out.append(
+            _target(
+                "issue 16: one stream's TTFT through HTTP/SSE ≤ 1.05× GenerateStream",
+                http["ttft_ratio"],
+                1.05,
+                _le,
+            )
+        )
     if rss and rss.get("og_max_mb"):
         out.append(
             _target(
@@ -622,6 +640,11 @@ def markdown(r: Results) -> str:
         "Beyond one node: sessions across three replicas sharing Redis (bench/fleet.py)",
         "bench.fleet",
         r.get("fleet"),
+    )
+    lines += _own_table(
+        "The HTTP gateway against GenerateStream (bench/http_bench.py)",
+        "bench.http_bench",
+        r.get("http"),
     )
     others = [t for t in tg if not (issue14 and t.get("issue14"))]
     if others:

@@ -52,10 +52,11 @@ SECTIONS = (
     "constrained",
     "kvstore",
     "fleet",
+    "http",
 )
 # Sections run after the engines of the others are gone (they start their own, or
 # time CPU work that the others' idle threads would disturb).
-AFTER_CLOSE = ("sampler", "step_profile", "constrained", "kvstore", "fleet")
+AFTER_CLOSE = ("sampler", "step_profile", "constrained", "kvstore", "fleet", "http")
 DOC = REPO / "docs" / "benchmarks.md"
 DOC_HEADER = """# Benchmarks
 
@@ -265,6 +266,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         results["fleet"] = fleet.measure(str(model_dir), threads=args.threads)
         phases["fleet"] = ledger.lap()
+    if "http" in sections:
+        from . import http_bench  # a server of its own, with --http-port
+
+        results["http"] = http_bench.measure(
+            str(model_dir),
+            reps=plan.reps,
+            threads=args.threads,
+            new_tokens=64 if args.quick else 256,
+        )
+        phases["http"] = ledger.lap()
     results["meta"]["phases"] = phases
     results["meta"]["elapsed_s"] = time.perf_counter() - started
     results["meta"]["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]

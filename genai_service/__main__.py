@@ -67,6 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve Prometheus metrics at http://HOST:P/metrics",
     )
     p.add_argument(
+        "--http-port",
+        type=int,
+        default=ServerConfig.http_port,
+        metavar="P",
+        help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+        "/v1/models, /health) on port P, with the same tokens and TLS as the control plane",
+    )
+    p.add_argument(
         "--grace-period-s",
         "--grace-period",
         dest="grace_period_s",
@@ -438,6 +446,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         auth_tokens=tuple(tokens),
         metrics_port=args.metrics_port,
+        http_port=args.http_port,
         tls_cert_file=args.tls_cert_file,
         tls_key_file=args.tls_key_file,
         tls_client_ca_file=args.tls_client_ca_file,

@@ -285,6 +285,9 @@ class ServerConfig:
     max_input_chars: int = 1_000_000  # text / messages size limit before tokenizing
     engine_start_timeout_s: float = 900.0  # covers first-run conversion of the default model
     metrics_port: int | None = None  # Prometheus /metrics on this port (0: any free); None: off
+    # The OpenAI-compatible HTTP plane on this port (0: any free); None: off
+    # (docs/design.md, "HTTP gateway").
+    http_port: int | None = None
     # Bearer tokens accepted on the control plane, as (token, principal); empty: no auth.
     auth_tokens: tuple[tuple[str, str], ...] = ()
     tls_cert_file: str | None = None  # PEM; with tls_key_file, serve TLS
@@ -310,6 +313,8 @@ class ServerConfig:
         _positive("stream_interval", self.stream_interval)
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file go together")
         if self.tls_client_ca_file and not self.tls_cert_file:

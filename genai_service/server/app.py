@@ -28,6 +28,7 @@ from ..config import ServerConfig
 from ..engine.model_dir import load_model_spec
 from ..engine.tokenizer import Tokenizer
 from .engine_process import EngineProcess
+from .http_gateway import HttpGateway
 from .metrics import Metrics
 from .servicers import Frontend, GenerateServicer, ModelServicer, SessionServicer
 
@@ -95,6 +96,9 @@ class GenAIServer:
             self.port = self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot bind {config.host}:{config.port}")
+        # The HTTP plane shares the frontend (docs/design.md, "HTTP gateway").
+        self.http = HttpGateway(self.frontend, config) if config.http_port is not None else None
+        self.http_port = self.http.port if self.http is not None else None
         self._stopped = asyncio.Event()
         self._poller: asyncio.Task[None] | None = None
 
@@ -125,6 +129,8 @@ class GenAIServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
         log.info("listening", host=self.config.host, port=self.port)
+        if self.http is not None:
+            await self.http.start()
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
             log.info("metrics", port=self.metrics_port, path="/metrics")
@@ -159,7 +165,11 @@ class GenAIServer:
         # runs the rest of the grace period; whatever runs after that is
         # cancelled (its engine requests aborted).
         await self.frontend.drained(grace)
-        await self.server.stop(max(0.0, deadline - time.monotonic()))
+        left = max(0.0, deadline - time.monotonic())
+        if self.http is not None:
+            await asyncio.gather(self.server.stop(left), self.http.stop(left))
+        else:
+            await self.server.stop(left)
         if self.frontend.inflight:
             log.warning("grace_period_expired", inflight=self.frontend.inflight)
         await self.engine.stop()

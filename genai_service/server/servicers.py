@@ -15,7 +15,7 @@ import hmac
 import inspect
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -87,12 +87,12 @@ class Frontend:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         return not self.inflight
 
-    def authenticate(self, context: grpc.aio.ServicerContext) -> str:
-        """The principal behind ``authorization: Bearer <token>`` ("" when auth is off)."""
+    def authenticate(self, authorization: str) -> str:
+        """The principal behind an ``authorization: Bearer <token>`` header (gRPC
+        metadata or HTTP header, the same tokens); "" when auth is off."""
         if not self.auth_tokens:
             return ""
-        header = dict(context.invocation_metadata() or ()).get("authorization", "")
-        scheme, _, token = str(header).partition(" ")
+        scheme, _, token = authorization.partition(" ")
         if scheme.lower() == "bearer" and token:
             for known, principal in self.auth_tokens:
                 if hmac.compare_digest(known.encode(), token.encode()):
@@ -102,6 +102,13 @@ class Frontend:
     def check_serving(self) -> None:
         if self.draining:
             raise Unavailable("the server is shutting down; retry on another replica")
+
+    def admit(self, authorization: str) -> None:
+        """Admit a call on either plane: credentials first (an anonymous caller
+        learns nothing else), then whether the server takes new calls. The
+        principal holds for the rest of the call's task (``principal()``)."""
+        _principal.set(self.authenticate(authorization))
+        self.check_serving()
 
     async def build_request(
         self, request: generate_pb2.GenerateRequest
@@ -142,7 +149,7 @@ class Frontend:
 
     async def events(
         self, request: generate_pb2.GenerateRequest
-    ) -> AsyncIterator[generate_pb2.Delta | generate_pb2.Final]:
+    ) -> AsyncGenerator[generate_pb2.Delta | generate_pb2.Final, None]:
         """A request's stream events: a Delta per output with tokens or
         text, then one Final (shared by GenerateStream and GenerateBidi)."""
         outputs: list[RequestOutput] = []
@@ -153,6 +160,25 @@ class Frontend:
                 yield convert.delta(out)
             if out.finished:
                 yield convert.final(outputs, use)
+
+
+def principal() -> str:
+    """The authenticated caller of the call being served ("" when auth is off)."""
+    return _principal.get()
+
+
+def bind_call(name: str, request_id: str = "") -> str:
+    """Bind a call's log context; returns its request id. The one place a
+    request id is made: for a request that has none, and for the log lines of
+    a call without one (a GenerateBidi call's own)."""
+    rid = request_id or uuid.uuid4().hex
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(request_id=rid, rpc=name)
+    return rid
+
+
+def _authorization(context: grpc.aio.ServicerContext) -> str:
+    return str(dict(context.invocation_metadata() or ()).get("authorization", ""))
 
 
 def _event_fields(event: generate_pb2.Delta | generate_pb2.Final) -> dict[str, Any]:
@@ -171,19 +197,13 @@ def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
         await abort(context, Internal(f"internal error: {exc}"))
 
     def bind(request: Any) -> None:
-        # The one place a request id is made: for a request that has none, and
-        # for the log lines of an RPC without one (a GenerateBidi call's own).
-        rid = getattr(request, "request_id", "") or uuid.uuid4().hex
+        rid = bind_call(name, getattr(request, "request_id", ""))
         if hasattr(request, "request_id") and not request.request_id:
             request.request_id = rid
-        structlog.contextvars.clear_contextvars()
-        structlog.contextvars.bind_contextvars(request_id=rid, rpc=name)
 
     def admit(fe: Frontend, request: Any, context: Any) -> None:
-        # Credentials first (an anonymous caller learns nothing else), then
-        # whether the server takes new calls, then whether the request decoded.
-        _principal.set(fe.authenticate(context))
-        fe.check_serving()
+        # Admitted first, then whether the request decoded.
+        fe.admit(_authorization(context))
         if isinstance(request, Undecodable):
             raise request.error()
 
@@ -265,7 +285,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         structlog.contextvars.clear_contextvars()
         structlog.contextvars.bind_contextvars(rpc="GenerateBidi")
         try:
-            _principal.set(self.fe.authenticate(context))
+            _principal.set(self.fe.authenticate(_authorization(context)))
         except GenAIError as exc:
             await abort(context, exc)
         if self.fe.draining:

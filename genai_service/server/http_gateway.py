@@ -1,0 +1,347 @@
+"""The OpenAI-compatible HTTP plane of ``genai-server --http-port P``
+(docs/design.md, "HTTP gateway").
+
+A Starlette app served by uvicorn on the frontend's own event loop, beside
+grpc.aio: each call is admitted as an RPC is (``Frontend.admit``: the same
+bearer tokens, UNAVAILABLE while draining), translated by ``openai_api`` into
+a ``GenerateRequest`` and run through ``Frontend.events``, the path
+GenerateStream takes, so validation, limits, tools, sessions, principals and
+metrics are the gRPC plane's own. No loopback gRPC hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import ssl
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+import prometheus_client
+import structlog
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from genai_common.errors import GenAIError, Internal, InvalidArgument, Unavailable
+
+from ..config import ServerConfig
+from ..engine.sessions import check_metadata
+from . import openai_api
+from .servicers import Frontend, bind_call, principal
+
+log = structlog.get_logger(__name__)
+SESSION_HEADER = "x-session-id"
+_SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    return Response(data, status, headers, media_type="application/json")
+
+
+def _sse(body: Any) -> bytes:
+    return (
+        b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    )
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response whose generator is closed however the response ends
+    (a client that disconnects mid-stream aborts the engine request)."""
+
+    def __init__(self, body: AsyncIterator[bytes], events: Any, request_id: str) -> None:
+        headers = {**_SSE_HEADERS, "x-request-id": request_id}
+        super().__init__(body, media_type="text/event-stream", headers=headers)
+        self.events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await self.events.aclose()  # also when the body never started
+
+
+class HttpGateway:
+    """The app, and the uvicorn server that serves it on a socket bound at
+    construction (as gRPC's port is), started and stopped with GenAIServer."""
+
+    def __init__(self, frontend: Frontend, config: ServerConfig) -> None:
+        assert config.http_port is not None
+        self.fe = frontend
+        self.config = config
+        self.created = int(time.time())
+        self.app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/sessions", self.create_session, methods=["POST"]),
+                Route("/v1/sessions/{session_id}", self.get_session, methods=["GET"]),
+                Route("/v1/sessions/{session_id}", self.close_session, methods=["DELETE"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.prometheus, methods=["GET"]),
+            ],
+            exception_handlers={HTTPException: self._http_error},
+        )
+        self.socket = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.bind((config.host, config.http_port))
+        self.port = int(self.socket.getsockname()[1])
+        tls: dict[str, Any] = {}
+        if config.tls_cert_file:
+            tls = {"ssl_certfile": config.tls_cert_file, "ssl_keyfile": config.tls_key_file}
+            if config.tls_client_ca_file:
+                tls |= {
+                    "ssl_ca_certs": config.tls_client_ca_file,
+                    "ssl_cert_reqs": ssl.CERT_REQUIRED,
+                }
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                self.app,
+                log_config=None,  # structlog owns logging (genai_common.logging)
+                access_log=False,
+                lifespan="off",
+                server_header=False,
+                **tls,
+            )
+        )
+        self._ticker: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self.server.config.load()
+        self.server.lifespan = self.server.config.lifespan_class(self.server.config)
+        await self.server.startup(sockets=[self.socket])
+        # uvicorn's own tick (Date header, exit flag); not Server.serve, which
+        # would take over SIGTERM/SIGINT from serve() in app.py.
+        self._ticker = asyncio.create_task(self.server.main_loop())
+        log.info("http_listening", host=self.config.host, port=self.port)
+
+    async def stop(self, grace_s: float) -> None:
+        """Close the port; responses still being written get ``grace_s``."""
+        if self._ticker is None:  # never started
+            self.socket.close()
+            return
+        self.server.config.timeout_graceful_shutdown = grace_s  # type: ignore[assignment]
+        self.server.should_exit = True
+        await self._ticker
+        await self.server.shutdown(sockets=[self.socket])
+        self._ticker = None
+
+    async def _http_error(self, request: Request, exc: Exception) -> Response:
+        """Starlette's own refusals (no such route, wrong method) in OpenAI's shape."""
+        assert isinstance(exc, HTTPException)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        error = {"message": f"{request.method} {request.url.path}: {exc.detail}", "type": kind}
+        return _json({"error": {**error, "param": None, "code": None}}, exc.status_code)
+
+    # -- calls ------------------------------------------------------------------
+
+    def _admit(self, request: Request, name: str) -> str:
+        rid = bind_call(name, request.headers.get("x-request-id", "")[:128])
+        self.fe.admit(request.headers.get("authorization", ""))
+        return rid
+
+    async def _body(self, request: Request) -> Any:
+        limit = self.config.max_message_bytes
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > limit:
+            raise InvalidArgument(f"body: {size} bytes; allowed at most {limit}")
+        data = await request.body()
+        if len(data) > limit:
+            raise InvalidArgument(f"body: {len(data)} bytes; allowed at most {limit}")
+        if not data:
+            return {}
+        try:
+            return json.loads(data)
+        except ValueError as e:
+            raise InvalidArgument(f"body: not valid JSON: {e}") from e
+
+    def _failure(
+        self, name: str, exc: BaseException, started: float, names: dict[str, str] | None = None
+    ) -> Response:
+        if not isinstance(exc, GenAIError):
+            log.error("http_internal_error", exc_info=exc)
+            exc = Internal(f"internal error: {exc}")
+        else:
+            log.info("http_error", code=exc.code, message=exc.message)
+        self.fe.metrics.observe_rpc(name, exc.code, started)
+        status, body = openai_api.error_body(exc, names)
+        headers = {"www-authenticate": "Bearer"} if status == 401 else None
+        return _json(body, status, headers)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, openai_api.CHAT, "ChatCompletions")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, openai_api.COMPLETIONS, "Completions")
+
+    async def _generate(self, request: Request, kind: str, name: str) -> Response:
+        started = time.monotonic()
+        call = None
+        try:
+            rid = self._admit(request, name)
+            session_id = request.headers.get(SESSION_HEADER, "")
+            call = openai_api.parse(kind, await self._body(request), session_id)
+            call.request.request_id = rid
+            if session_id and kind == openai_api.CHAT:
+                await self._continue_session(call)
+            events = self.fe.events(call.request)
+            # The first event before any byte goes out: a request the engine
+            # refuses (bad value, queue full, busy session) gets its own HTTP
+            # status rather than an error inside a 200 stream.
+            first = await anext(events)
+        except Exception as exc:
+            return self._failure(name, exc, started, call.names if call else None)
+        info = self.fe.engine.info
+        reply = openai_api.Reply(call, info.model_id if info else "", rid)
+        if call.stream:
+            body = self._stream(name, reply, first, events, started)
+            return _EventStream(body, events, rid)
+        text: list[str] = []
+        event: Any = first
+        try:
+            while not openai_api.is_final(event):
+                text.append(event.text)
+                event = await anext(events)
+        except Exception as exc:
+            return self._failure(name, exc, started, call.names)
+        finally:
+            await events.aclose()
+        self.fe.metrics.observe_rpc(name, "OK", started)
+        return _json(reply.response("".join(text), event), headers={"x-request-id": rid})
+
+    async def _stream(
+        self,
+        name: str,
+        reply: openai_api.Reply,
+        event: Any,
+        events: AsyncGenerator[Any, None],
+        started: float,
+    ) -> AsyncIterator[bytes]:
+        code = "CANCELLED"  # until the stream ends (a disconnect leaves it so)
+        try:
+            while True:
+                if openai_api.is_final(event):
+                    for last in reply.final_chunks(event):
+                        yield _sse(last)
+                    yield b"data: [DONE]\n\n"
+                    code = "OK"
+                    return
+                chunk = reply.delta_chunk(event)
+                if chunk is not None:
+                    yield _sse(chunk)
+                event = await anext(events)
+        except GenAIError as exc:
+            # After the headers: the error as the stream's last event, as
+            # OpenAI's server sends it.
+            code = exc.code
+            yield _sse(openai_api.error_body(exc, reply.call.names)[1])
+        finally:
+            await events.aclose()
+            self.fe.metrics.observe_rpc(name, code, started)
+
+    async def _continue_session(self, call: openai_api.Call) -> None:
+        """OpenAI clients resend the whole conversation: a turn of a session
+        that has history sends only what follows the last answer."""
+        info = await self.fe.engine.get_session(call.request.session_id, principal())
+        if info.history_tokens > 0:
+            openai_api.continue_conversation(call)
+
+    async def models(self, request: Request) -> Response:
+        started = time.monotonic()
+        try:
+            self._admit(request, "ListModels")
+            info = self.fe.engine.info
+            if info is None:
+                raise Unavailable("the engine is starting; retry shortly")
+        except Exception as exc:
+            return self._failure("ListModels", exc, started)
+        self.fe.metrics.observe_rpc("ListModels", "OK", started)
+        return _json(openai_api.models(info.model_id, self.created))
+
+    async def health(self, request: Request) -> Response:
+        serving = self.fe.engine.ready and not self.fe.draining
+        return _json({"status": "ok" if serving else "unavailable"}, 200 if serving else 503)
+
+    async def prometheus(self, request: Request) -> Response:
+        """The --metrics-port registry on this port too, for scrapers that read
+        the model server's own port (the Inference Extension's endpoint picker);
+        open like /health and --metrics-port."""
+        body = prometheus_client.generate_latest(self.fe.metrics.registry)
+        return Response(body, media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
+    # -- sessions (SessionService over HTTP) -------------------------------------
+
+    def _session(self, info: Any) -> dict[str, Any]:
+        return {
+            "id": info.session_id,
+            "object": "session",
+            "created_at": int(info.created_at),
+            "last_used_at": int(info.last_used_at),
+            "history_tokens": info.history_tokens,
+            "turns": info.turns,
+            "idle_ttl_seconds": int(info.idle_ttl_s),
+            "metadata": dict(info.metadata),
+        }
+
+    async def _session_call(self, request: Request, name: str, fn: Any) -> Response:
+        started = time.monotonic()
+        try:
+            self._admit(request, name)
+            body = await fn()
+        except Exception as exc:
+            return self._failure(name, exc, started)
+        self.fe.metrics.observe_rpc(name, "OK", started)
+        return _json(body)
+
+    async def create_session(self, request: Request) -> Response:
+        async def run() -> dict[str, Any]:
+            body = await self._body(request)
+            if not isinstance(body, dict):
+                raise InvalidArgument("body: must be a JSON object")
+            for key in body:
+                if key not in ("idle_ttl_seconds", "metadata"):
+                    raise InvalidArgument(f"{key}: unknown field")
+            ttl = body.get("idle_ttl_seconds")
+            if ttl is not None and (
+                not isinstance(ttl, int) or isinstance(ttl, bool) or not 1 <= ttl < 2**32
+            ):
+                raise InvalidArgument(
+                    f"idle_ttl_seconds: {json.dumps(ttl)[:40]} is out of range; allowed "
+                    "[1, 4294967295]"
+                )
+            metadata: Any = body.get("metadata") or {}
+            if not isinstance(metadata, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+            ):
+                raise InvalidArgument("metadata: must be an object of strings")
+            check_metadata(metadata, self.fe.engine.config.sessions)
+            info = await self.fe.engine.create_session(
+                float(ttl) if ttl is not None else None, principal(), metadata
+            )
+            return self._session(info)
+
+        return await self._session_call(request, "CreateSession", run)
+
+    async def get_session(self, request: Request) -> Response:
+        async def run() -> dict[str, Any]:
+            sid = request.path_params["session_id"]
+            return self._session(await self.fe.engine.get_session(sid, principal()))
+
+        return await self._session_call(request, "GetSession", run)
+
+    async def close_session(self, request: Request) -> Response:
+        async def run() -> dict[str, Any]:
+            sid = request.path_params["session_id"]
+            await self.fe.engine.close_session(sid, principal())
+            return {"id": sid, "object": "session", "deleted": True}
+
+        return await self._session_call(request, "CloseSession", run)

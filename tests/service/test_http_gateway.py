@@ -1,0 +1,439 @@
+"""The OpenAI-compatible HTTP plane (genai-server --http-port) against a live
+server on a tiny model, with the official ``openai`` SDK and ``curl`` as clients."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from genai_client import Client
+from genai_service.config import EngineConfig, ServerConfig
+from tests.conftest import require_tool
+from tests.server_harness import ServerThread, free_port
+
+TOKEN = "http-test-token"
+CHAT = [{"role": "user", "content": "Hello there"}]
+
+
+def start(model_dir: Path, **kw: object) -> ServerThread:
+    config = ServerConfig(
+        engine=EngineConfig(model_dir=str(model_dir)), port=free_port(), http_port=0, **kw
+    )
+    return ServerThread(config).start()
+
+
+@pytest.fixture(scope="module")
+def server(bytes_models: dict[str, Path]) -> Iterator[ServerThread]:
+    srv = start(bytes_models["rope"])
+    yield srv
+    srv.stop()
+
+
+def base_url(server: ServerThread) -> str:
+    assert server.server is not None
+    return f"http://127.0.0.1:{server.server.http_port}/v1"
+
+
+def call(
+    server: ServerThread, method: str, path: str, body: Any = None, **headers: str
+) -> tuple[int, Any]:
+    """One plain HTTP request (stdlib): the status and the decoded JSON body."""
+    assert server.server is not None
+    conn = http.client.HTTPConnection("127.0.0.1", server.server.http_port, timeout=60)
+    try:
+        data = json.dumps(body).encode() if body is not None else None
+        hdrs = {k.replace("_", "-"): v for k, v in headers.items()}
+        conn.request(method, path, data, {"content-type": "application/json", **hdrs})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read() or b"null")
+    finally:
+        conn.close()
+
+
+@pytest.fixture()
+def client(server: ServerThread) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=base_url(server), api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def test_chat_completion_unary_and_streamed_agree(client: openai.OpenAI) -> None:
+    unary = client.chat.completions.create(model="any", messages=CHAT, max_tokens=12, temperature=0)
+    choice = unary.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    assert unary.usage is not None and unary.usage.completion_tokens >= 1
+    assert unary.usage.total_tokens == unary.usage.prompt_tokens + unary.usage.completion_tokens
+    assert unary.id.startswith("chatcmpl-")
+    stream = client.chat.completions.create(
+        model="any",
+        messages=CHAT,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage == unary.usage
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+
+
+def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
+    def once(seed: int) -> str:
+        r = client.completions.create(
+            model="any", prompt="Once upon", max_tokens=16, temperature=1.0, top_p=0.95, seed=seed
+        )
+        return r.choices[0].text
+
+    assert once(7) == once(7)
+    assert len({once(s) for s in range(1, 6)}) > 1  # the seed matters
+
+
+def test_completions_logprobs_and_stop(client: openai.OpenAI) -> None:
+    r = client.completions.create(
+        model="any", prompt="abc", max_tokens=8, temperature=0, logprobs=2
+    )
+    lp = r.choices[0].logprobs
+    assert lp is not None and len(lp.tokens) == r.usage.completion_tokens  # type: ignore[union-attr]
+    assert all(len(t) <= 2 for t in lp.top_logprobs)  # type: ignore[union-attr]
+    assert "".join(lp.tokens) == r.choices[0].text  # type: ignore[union-attr]
+    chat = client.chat.completions.create(
+        model="any", messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=0
+    )
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content and all(c.top_logprobs == [] for c in content)
+    # A stop string taken from the unary answer ends it there.
+    whole = client.completions.create(model="any", prompt="abc", max_tokens=8, temperature=0)
+    text = whole.choices[0].text
+    assert len(text) >= 4
+    stop = text[2:4]
+    cut = client.completions.create(
+        model="any", prompt="abc", max_tokens=8, temperature=0, stop=[stop]
+    )
+    assert cut.choices[0].text == text[: text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_invalid_parameters_are_bad_requests_naming_the_field(client: openai.OpenAI) -> None:
+    cases = {
+        "temperature": {"temperature": -1.0},
+        "top_p": {"top_p": 1.5},
+        "max_tokens": {"max_tokens": 0},
+        "n": {"n": 2},
+        "top_k": {"extra_body": {"top_k": "x"}},
+        "bogus": {"extra_body": {"bogus": 1}},
+        "messages[0].role": {"messages": [{"role": "robot", "content": "x"}]},
+    }
+    for field, kw in cases.items():
+        args = {"model": "any", "messages": CHAT, **kw}
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(**args)  # type: ignore[call-overload]
+        body = err.value.body
+        assert isinstance(body, dict) and body["param"] == field, (field, body)
+        assert body["message"].startswith(field + ":")
+        assert body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="any", messages=CHAT, max_completion_tokens=10**6)
+    assert err.value.body["param"] == "max_completion_tokens"  # type: ignore[index]
+
+
+def test_async_client_and_models(server: ServerThread) -> None:
+    async def run() -> tuple[str, list[str]]:
+        async with openai.AsyncOpenAI(base_url=base_url(server), api_key="x") as c:
+            models = await c.models.list()
+            r = await c.chat.completions.create(
+                model="any", messages=CHAT, max_tokens=6, temperature=0
+            )
+            streamed = []
+            async for chunk in await c.chat.completions.create(
+                model="any", messages=CHAT, max_tokens=6, temperature=0, stream=True
+            ):
+                streamed.append(chunk.choices[0].delta.content or "")
+            assert "".join(streamed) == r.choices[0].message.content
+            return r.choices[0].message.content or "", [m.id for m in models.data]
+
+    _, ids = asyncio.run(run())
+    assert server.server is not None and ids == [server.server.engine.info.model_id]
+
+
+def test_response_format_and_tools(client: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+        "x-guidance": {"whitespace_flexible": False},
+    }
+    r = client.chat.completions.create(
+        model="any",
+        messages=CHAT,
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    )
+    assert isinstance(json.loads(r.choices[0].message.content or ""), dict)
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "description": "the weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 6}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    r = client.chat.completions.create(
+        model="any",
+        messages=CHAT,
+        max_tokens=120,
+        temperature=0,
+        tools=[tool],
+        tool_choice="required",
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "weather"  # type: ignore[union-attr]
+    assert set(json.loads(call.function.arguments)) == {"city"}  # type: ignore[union-attr]
+    chunks = list(
+        client.chat.completions.create(
+            model="any",
+            messages=CHAT,
+            max_tokens=120,
+            temperature=0,
+            tools=[tool],
+            tool_choice={"type": "function", "function": {"name": "weather"}},
+            stream=True,
+        )
+    )
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    streamed = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [tc.function.name for tc in streamed] == ["weather"]  # type: ignore[union-attr]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+    with pytest.raises(openai.BadRequestError) as err:
+        bad = {**tool, "function": {**tool["function"], "parameters": {"type": "nope"}}}
+        client.chat.completions.create(model="any", messages=CHAT, tools=[bad])  # type: ignore[list-item]
+    assert err.value.body["param"] == "tools[0].function.parameters"  # type: ignore[index]
+
+
+def test_sessions_keep_the_kv_between_turns(server: ServerThread) -> None:
+    url = base_url(server)
+    if True:
+        _, session = call(server, "POST", "/v1/sessions", {"metadata": {"user": "u1"}})
+        sid = session["id"]
+        assert session["object"] == "session" and session["metadata"] == {"user": "u1"}
+        with openai.OpenAI(base_url=url, api_key="x", default_headers={"X-Session-Id": sid}) as c:
+            messages = [{"role": "user", "content": "First question"}]
+            one = c.chat.completions.create(
+                model="any", messages=messages, max_tokens=8, temperature=0
+            )
+            assert one.usage is not None
+            # The OpenAI habit: the whole conversation again, plus the new message.
+            messages += [
+                {"role": "assistant", "content": one.choices[0].message.content},
+                {"role": "user", "content": "Second"},
+            ]
+            two = c.chat.completions.create(
+                model="any", messages=messages, max_tokens=8, temperature=0
+            )
+            assert two.usage is not None and two.usage.prompt_tokens_details is not None
+            turn_one = one.usage.prompt_tokens + one.usage.completion_tokens
+            assert two.usage.prompt_tokens_details.cached_tokens >= turn_one
+            # README's way to make one with the SDK alone.
+            other = c.post("/sessions", body={}, cast_to=dict)["id"]
+            assert call(server, "DELETE", f"/v1/sessions/{other}")[0] == 200
+        assert call(server, "GET", f"/v1/sessions/{sid}")[1]["turns"] == 2
+        resent = {"messages": [*CHAT, {"role": "assistant", "content": "ok"}]}
+        status, body = call(server, "POST", "/v1/chat/completions", resent, x_session_id=sid)
+        assert status == 400 and body["error"]["param"] == "messages"
+        assert call(server, "DELETE", f"/v1/sessions/{sid}")[1]["deleted"] is True
+        status, gone = call(server, "GET", f"/v1/sessions/{sid}")
+        assert status == 404 and gone["error"]["type"] == "not_found_error"
+        body = {"model": "m", "messages": CHAT}
+        assert call(server, "POST", "/v1/chat/completions", body, x_session_id=sid)[0] == 404
+
+
+def test_curl_streams_server_sent_events(server: ServerThread) -> None:
+    curl = require_tool("curl")
+    body = {"model": "m", "prompt": "abc", "max_tokens": 5, "temperature": 0, "stream": True}
+    out = subprocess.run(
+        [curl, "-sS", "-N", "--max-time", "60", "-H", "Content-Type: application/json",
+         "-d", json.dumps(body), f"{base_url(server)}/completions"],
+        capture_output=True, text=True, timeout=90, check=True,
+    ).stdout  # fmt: skip
+    events = [line[len("data: ") :] for line in out.splitlines() if line.startswith("data: ")]
+    assert events, out
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    headers = subprocess.run(
+        [curl, "-sS", "-N", "-D", "-", "-o", "/dev/null", "--max-time", "60",
+         "-H", "Content-Type: application/json", "-H", "X-Request-Id: curl-1",
+         "-d", json.dumps(body), f"{base_url(server)}/completions"],
+        capture_output=True, text=True, timeout=90, check=True,
+    ).stdout.lower()  # fmt: skip
+    assert "content-type: text/event-stream" in headers and "x-request-id: curl-1" in headers
+    health = subprocess.run(
+        [curl, "-s", "-o", "/dev/null", "-w", "%{http_code}",
+         f"http://127.0.0.1:{server.server.http_port}/health"],  # type: ignore[union-attr]
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout  # fmt: skip
+    assert health == "200"
+    metrics = subprocess.run(
+        [curl, "-sS", f"http://127.0.0.1:{server.server.http_port}/metrics"],  # type: ignore[union-attr]
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout  # fmt: skip
+    assert 'genai_rpc_requests_total{code="OK",rpc="Completions"}' in metrics
+
+
+def test_client_disconnect_aborts_the_engine_request(long_context_model_dir: Path) -> None:
+    srv = start(long_context_model_dir)
+    try:
+        body = {"model": "m", "prompt": "x", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        assert srv.server is not None
+        engine = srv.server.engine
+        conn = http.client.HTTPConnection("127.0.0.1", srv.server.http_port, timeout=60)
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"}
+        )
+        response = conn.getresponse()
+        events = 0
+        for _ in range(30):  # chunked: size lines and event lines
+            events += response.fp.readline().startswith(b"data: ")
+            if events == 3:
+                break
+        assert events == 3
+        conn.sock.close()  # type: ignore[union-attr]
+        conn.close()
+        for _ in range(100):  # the abort reaches the engine at its next step
+            stats = srv.run(engine.stats())
+            if stats.get("requests_aborted", 0) == 1 and stats["running"] == 0:
+                break
+            time.sleep(0.05)
+        assert stats.get("requests_aborted", 0) == 1 and stats["running"] == 0
+        assert srv.server.frontend.inflight == 0
+    finally:
+        srv.stop()
+
+
+def test_bearer_tokens_and_draining(tiny_model_dir: Path) -> None:
+    srv = start(tiny_model_dir, auth_tokens=((TOKEN, "alice"), ("other-token", "bob")))
+    try:
+        url = base_url(srv)
+        with openai.OpenAI(base_url=url, api_key="wrong", max_retries=0) as c:
+            with pytest.raises(openai.AuthenticationError) as err:
+                c.models.list()
+            assert err.value.status_code == 401
+        status, body = call(srv, "GET", "/v1/models")  # no token at all
+        assert status == 401 and body["error"]["type"] == "authentication_error"
+        alice = f"Bearer {TOKEN}"
+        sid = call(srv, "POST", "/v1/sessions", authorization=alice)[1]["id"]
+        bob = {"authorization": "Bearer other-token", "x_session_id": sid}
+        status, body = call(srv, "POST", "/v1/completions", {"model": "m", "prompt": "a"}, **bob)
+        assert status == 403 and body["error"]["type"] == "permission_error"
+        assert call(srv, "DELETE", f"/v1/sessions/{sid}", **bob)[0] == 403
+        with openai.OpenAI(base_url=url, api_key=TOKEN, max_retries=0) as c:
+            r = c.completions.create(model="m", prompt="ab", max_tokens=3)
+            assert r.usage is not None and r.usage.completion_tokens == 3
+        # The gRPC plane takes the same token.
+        with Client(srv.target, token=TOKEN) as g:
+            assert g.generate("ab", max_new_tokens=3).usage.completion_tokens == 3
+        srv.server.frontend.draining = True  # type: ignore[union-attr]
+        assert call(srv, "GET", "/health")[0] == 503
+        status, body = call(srv, "POST", "/v1/completions", {"prompt": "a"}, authorization=alice)
+        assert status == 503 and body["error"]["code"] == "unavailable"
+        srv.server.frontend.draining = False  # type: ignore[union-attr]
+    finally:
+        srv.stop()
+
+
+def test_unknown_routes_bad_bodies_and_methods_answer_in_openai_shape(server: ServerThread) -> None:
+    status, body = call(server, "GET", "/v1/nope")
+    assert status == 404 and body["error"]["type"] == "not_found_error"
+    status, body = call(server, "GET", "/v1/chat/completions")
+    assert status == 405 and body["error"]["type"] == "invalid_request_error"
+    status, body = call(server, "POST", "/v1/completions", ["not", "an", "object"])
+    assert status == 400 and body["error"]["param"] == "body"
+    status, body = call(server, "POST", "/v1/completions", {"prompt": "a", "stop": [1]})
+    assert status == 400 and body["error"]["param"] == "stop"
+    # The engine's own checks, named by the JSON field the client sent.
+    status, body = call(server, "POST", "/v1/completions", {"prompt": "a", "stop": ["x"] * 99})
+    assert status == 400 and body["error"]["param"] == "stop", body
+    status, body = call(server, "POST", "/v1/completions", {"prompt": "a", "logprobs": 6})
+    assert status == 400 and body["error"]["param"] == "logprobs"
+
+
+def test_sigterm_drains_the_http_plane_too(long_context_model_dir: Path, tmp_path: Path) -> None:
+    """The real `genai-server --http-port`: SIGTERM mid-stream; the SSE stream
+    completes while /health and new calls answer 503; exit 0, JSON logs only."""
+    import signal
+    import sys
+
+    port, http_port = free_port(), free_port()
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "genai_service", "--model", str(long_context_model_dir),
+             "--port", str(port), "--http-port", str(http_port), "--log-format", "json",
+             "--grace-period", "20"],
+            stdout=log_file, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+    def get(path: str) -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=5)
+        try:
+            conn.request("GET", path)
+            return conn.getresponse().status
+        finally:
+            conn.close()
+
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if get("/health") == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.1)
+        conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=60)
+        body = {"prompt": "the cat", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"}
+        )
+        response = conn.getresponse()
+        assert response.readline().startswith(b"data: ")
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while get("/health") == 200 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert get("/health") == 503 and get("/v1/models") == 503
+        assert proc.poll() is None
+        events = [line for line in response if line.startswith(b"data: ")]
+        assert events[-1] == b"data: [DONE]\n"
+        assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+        conn.close()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = log_path.read_text().splitlines()
+    assert all(line.startswith("{") for line in lines), lines
+    records = [json.loads(line) for line in lines]
+    assert "http_listening" in [r["event"] for r in records]
+    assert "stopped" in [r["event"] for r in records]
