@@ -4,6 +4,8 @@ limits table names exists."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import re
 import shlex
 from pathlib import Path
@@ -38,7 +40,7 @@ def _calls() -> list[tuple[str, list[str]]]:
         block = HEREDOC.sub("\n", block)
         words = shlex.split(block.replace("\\\n", " "), comments=True)
         starts = [i for i, w in enumerate(words) if w == "grpcurl"]
-        for start, end in zip(starts, [*starts[1:], len(words)], strict=True):
+        for start, end in itertools.pairwise([*starts, len(words)]):
             command = words[start:end]
             methods = [w for w in command if METHOD.match(w)]
             if not methods:
@@ -73,6 +75,33 @@ def test_every_rpc_has_an_example() -> None:
             if service.name == "Health" and method.name != "Check":
                 continue
             assert f"{service.full_name}/{method.name}" in shown, method.full_name
+
+
+def _http_bodies() -> list[tuple[str, dict]]:
+    """(kind, JSON body) of every curl call to a completions endpoint in the doc."""
+    out = []
+    for block in _shell_blocks():
+        words = shlex.split(block.replace("\\\n", " "), comments=True)
+        starts = [i for i, w in enumerate(words) if w == "curl"]
+        for start, end in itertools.pairwise([*starts, len(words)]):
+            command = words[start:end]
+            urls = [w for w in command if w.startswith("http://")]
+            if "-d" not in command or not urls:
+                continue
+            path = urls[0].split("/", 3)[3]
+            kind = {"v1/chat/completions": "chat", "v1/completions": "completions"}.get(path)
+            if kind:
+                out.append((kind, json.loads(command[command.index("-d") + 1])))
+    return out
+
+
+def test_http_bodies_are_accepted() -> None:
+    from genai_service.server.openai_api import parse
+
+    bodies = _http_bodies()
+    assert {kind for kind, _ in bodies} == {"chat", "completions"}
+    for kind, body in bodies:
+        parse(kind, body)  # raises InvalidArgument on an unknown field or a bad value
 
 
 def test_limit_flags_exist() -> None:
