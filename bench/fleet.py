@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -23,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +33,7 @@ from genai_client import Client
 from kvstore.client import KvStoreClient
 from kvstore.stats import TierStats
 
-from .procs import free_port
+from .procs import free_port, scrape_metrics
 from .redis_procs import RedisClusterNodes
 
 SERVER_START_TIMEOUT_S = 300.0
@@ -82,14 +80,7 @@ class Replica:
         return f"127.0.0.1:{self.port}"
 
     def metrics(self) -> dict[str, float]:
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        text = urllib.request.urlopen(url, timeout=5).read().decode()
-        values = {}
-        for line in text.splitlines():
-            match = re.fullmatch(r"([a-zA-Z_:]+) ([0-9.e+-]+)", line)
-            if match:
-                values[match[1]] = float(match[2])
-        return values
+        return scrape_metrics(self.metrics_port)
 
 
 class Fleet:

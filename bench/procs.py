@@ -6,10 +6,12 @@ import contextlib
 import importlib.metadata
 import os
 import platform
+import re
 import socket
 import subprocess
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -22,6 +24,18 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def scrape_metrics(port: int, host: str = "127.0.0.1") -> dict[str, float]:
+    """The unlabelled samples of a Prometheus ``/metrics`` page, by name."""
+    url = f"http://{host}:{port}/metrics"
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    values = {}
+    for line in text.splitlines():
+        match = re.fullmatch(r"([a-zA-Z_:][a-zA-Z0-9_:]*) ([0-9.e+-]+)", line)
+        if match:
+            values[match[1]] = float(match[2])
+    return values
 
 
 def _cpu_model() -> str:

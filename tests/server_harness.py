@@ -6,11 +6,12 @@ import asyncio
 import socket
 import threading
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any
 
 import grpc
 
-from genai_service.config import ServerConfig
+from genai_service.config import EngineConfig, ServerConfig
 from genai_service.server.app import GenAIServer
 
 
@@ -18,6 +19,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def secure_config(
+    engine: EngineConfig, pki: Path, auth_tokens: tuple[tuple[str, str], ...]
+) -> ServerConfig:
+    """A server on a free port that requires client certificates signed by the
+    ``pki`` fixture's CA (tests/conftest.py) and one of ``auth_tokens``."""
+    return ServerConfig(
+        engine=engine,
+        port=free_port(),
+        auth_tokens=auth_tokens,
+        tls_cert_file=str(pki / "server.pem"),
+        tls_key_file=str(pki / "server.key"),
+        tls_client_ca_file=str(pki / "ca.pem"),
+    )
 
 
 class ServerThread:

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from genai_service.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
+from genai_service.config import CacheConfig, EngineConfig, SchedulerConfig
 from tests.conftest import require_tool
-from tests.server_harness import ServerThread, free_port
+from tests.server_harness import ServerThread, secure_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -35,16 +35,7 @@ def server(long_context_model_dir: Path, pki: Path) -> Iterator[ServerThread]:
         cache=CacheConfig(chunk_size=4),
         scheduler=SchedulerConfig(max_num_seqs=4, max_queue=8),
     )
-    srv = ServerThread(
-        ServerConfig(
-            engine=engine,
-            port=free_port(),
-            auth_tokens=((TOKEN, "go-tests"),),
-            tls_cert_file=str(pki / "server.pem"),
-            tls_key_file=str(pki / "server.key"),
-            tls_client_ca_file=str(pki / "ca.pem"),
-        )
-    ).start()
+    srv = ServerThread(secure_config(engine, pki, ((TOKEN, "go-tests"),))).start()
     yield srv
     srv.stop()
 

@@ -21,7 +21,7 @@ import pytest
 
 from genai_service.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
 from tests.conftest import require_tool
-from tests.server_harness import ServerThread, free_port
+from tests.server_harness import ServerThread, free_port, secure_config
 
 pytestmark = pytest.mark.e2e
 
@@ -69,13 +69,8 @@ def server(long_context_model_dir: Path) -> Iterator[ServerThread]:
 
 @pytest.fixture(scope="module")
 def secure_server(tiny_model_dir: Path, pki: Path) -> Iterator[ServerThread]:
-    config = ServerConfig(
-        engine=EngineConfig(model_dir=str(tiny_model_dir)),
-        port=free_port(),
-        auth_tokens=(("node-token", "ada"),),
-        tls_cert_file=str(pki / "server.pem"),
-        tls_key_file=str(pki / "server.key"),
-        tls_client_ca_file=str(pki / "ca.pem"),
+    config = secure_config(
+        EngineConfig(model_dir=str(tiny_model_dir)), pki, (("node-token", "ada"),)
     )
     srv = ServerThread(config).start()
     yield srv

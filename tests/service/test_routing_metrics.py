@@ -4,32 +4,21 @@ load (docs/design.md, "Routing signals")."""
 
 from __future__ import annotations
 
-import re
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.procs import scrape_metrics
 from genai_client import Client
 from genai_service.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
 from genai_service.server.metrics import VLLM_NAMES
 from tests.server_harness import ServerThread, free_port
 
 
-def scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    values = {}
-    for line in text.splitlines():
-        match = re.fullmatch(r"([a-z_:]+) ([0-9.e+-]+)", line)
-        if match:
-            values[match[1]] = float(match[2])
-    return values
-
-
 def wait_for(port: int, ok: Callable[[dict[str, float]], bool], timeout_s: float = 20) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
-        values = scrape(port)
+        values = scrape_metrics(port)
         if ok(values) or time.monotonic() > deadline:
             return values
         time.sleep(0.1)

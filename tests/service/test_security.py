@@ -17,21 +17,18 @@ from genai_client import (
     UnavailableError,
 )
 from genai_proto.genai.v1 import session_pb2
-from genai_service.config import EngineConfig, ServerConfig
-from tests.server_harness import ServerThread, free_port
+from genai_service.config import EngineConfig
+from tests.server_harness import ServerThread, secure_config
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, pki: Path) -> Iterator[ServerThread]:
-    config = ServerConfig(
-        engine=EngineConfig(model_dir=str(tiny_model_dir)),
-        port=free_port(),
-        auth_tokens=(("alice-token", "alice"), ("bob-token", "bob")),
-        tls_cert_file=str(pki / "server.pem"),
-        tls_key_file=str(pki / "server.key"),
-        tls_client_ca_file=str(pki / "ca.pem"),
+    config = secure_config(
+        EngineConfig(model_dir=str(tiny_model_dir)),
+        pki,
+        (("alice-token", "alice"), ("bob-token", "bob")),
     )
     srv = ServerThread(config).start()
     yield srv
