@@ -186,6 +186,17 @@ TOPICS = (
     "electric light", "photography", "railways", "the bicycle", "refrigeration", "the compass",
 )  # fmt: skip
 
+NOTE_WORDS = (
+    "inventors", "patents", "factories", "cities", "workers", "markets", "science", "trade",
+    "war", "peace", "schools", "letters", "engines", "coal", "iron", "ships", "maps", "news",
+)  # fmt: skip
+
+
+def _notes(session: int, words: int) -> str:
+    """``words`` deterministic words, different for each session."""
+    return " ".join(NOTE_WORDS[(session * 7 + i * i) % len(NOTE_WORDS)] for i in range(words))
+
+
 Route = Callable[[int, int, int], int]  # (session, turn, replicas) -> replica index
 
 
@@ -226,9 +237,12 @@ def run_sessions(
     turns: int = 5,
     new_tokens: int = 16,
     timeout_s: float = 120.0,
+    notes_words: int = 0,
 ) -> SessionRun:
     """Create ``sessions`` sessions (session s on replica ``route(s, 0)``) and
-    run ``turns`` greedy turns of each, turn by turn, each on ``route(s, t)``."""
+    run ``turns`` greedy turns of each, turn by turn, each on ``route(s, t)``.
+    ``notes_words``: the first turn also carries that many words of notes (its
+    own per session), so that histories span complete KV chunks."""
     clients = [Client(target, timeout=timeout_s) for target in targets]
     run = SessionRun()
     try:
@@ -241,6 +255,8 @@ def run_sessions(
                 text = SESSION_PROMPTS[t % len(SESSION_PROMPTS)].format(
                     topic=TOPICS[s % len(TOPICS)]
                 )
+                if t == 0 and notes_words:
+                    text += " My notes: " + _notes(s, notes_words)
                 started = time.perf_counter()
                 stream = clients[replica].stream(
                     messages=[("user", text)], session_id=ids[s],
@@ -302,8 +318,18 @@ def _summary(run: SessionRun, turns: int) -> dict:
     }
 
 
+def _per_turn(kv: list[dict[str, float]], run: SessionRun) -> float:
+    later = sum(1 for t in run.turns if t.turn > 0)
+    return sum(s.get("fetched_bytes", 0) for s in kv) / later if later else 0.0
+
+
 def measure(
-    model_dir: str, threads: int = 2, sessions: int = 12, turns: int = 5, new_tokens: int = 32
+    model_dir: str,
+    threads: int = 2,
+    sessions: int = 12,
+    turns: int = 5,
+    new_tokens: int = 32,
+    notes_words: int = 300,
 ) -> dict:
     """One server alone, then three replicas sharing a Redis Cluster: the same
     sessions with affinity and with round robin (each on fresh replicas and an
@@ -313,22 +339,31 @@ def measure(
     targets_single = Fleet(model_dir, 1, server_args=server_args).start()
     try:
         one = run_sessions(
-            [targets_single.replicas[0].target], affinity, sessions, turns, new_tokens
-        )
+            [targets_single.replicas[0].target], affinity, sessions, turns, new_tokens,
+            notes_words=notes_words,
+        )  # fmt: skip
     finally:
         targets_single.stop()
-    result: dict = {"sessions": sessions, "turns": turns, "new_tokens": new_tokens, "modes": {}}
+    result: dict = {
+        "sessions": sessions,
+        "turns": turns,
+        "new_tokens": new_tokens,
+        "notes_words": notes_words,
+        "modes": {},
+    }
     for name, route in (("affinity", affinity), ("round_robin", round_robin)):
         with fleet(model_dir, 3, server_args=server_args) as (cluster, group):
             run = run_sessions(
-                [r.target for r in group.replicas], route, sessions, turns, new_tokens
-            )
+                [r.target for r in group.replicas], route, sessions, turns, new_tokens,
+                notes_words=notes_words,
+            )  # fmt: skip
             kv = group.kvstore_stats()
             redis = group.redis_stats()
             result["modes"][name] = {
                 **_summary(run, turns),
                 "tokens_identical_to_one_server": run.tokens() == one.tokens(),
                 "fetched_bytes": sum(s.get("fetched_bytes", 0) for s in kv),
+                "chunk_bytes_fetched_per_turn": _per_turn(kv, run),
                 "pushed_chunks": sum(s.get("pushed_chunks", 0) for s in kv),
                 "sessions_restored": sum(group.engine_stats("sessions_restored")),
                 "sessions_replaced": sum(group.engine_stats("sessions_replaced")),
@@ -355,8 +390,9 @@ def markdown(result: dict) -> list[str]:
          *(f"{m['hit_rate_after_turn_1']:.2f}" for m in modes.values())],
         ["tokens identical to one server's", "–",
          *("yes" if m["tokens_identical_to_one_server"] else "**no**" for m in modes.values())],
-        ["KV bytes fetched from kvstores (MB)", "–",
-         *(f"{m['fetched_bytes'] / 1e6:.0f}" for m in modes.values())],
+        ["KV bytes fetched from kvstores (MB; per later turn)", "–",
+         *(f"{m['fetched_bytes'] / 1e6:.1f}; {m.get('chunk_bytes_fetched_per_turn', 0) / 1e6:.2f}"
+           for m in modes.values())],
         ["sessions restored / stale copies replaced", "–",
          *(f"{m['sessions_restored']:.0f} / {m['sessions_replaced']:.0f}" for m in modes.values())],
         ["Redis hits / keys / used MB", "–",
@@ -364,7 +400,8 @@ def markdown(result: dict) -> list[str]:
            for m in modes.values())],
     ]  # fmt: skip
     lines = [
-        f"{result['sessions']} sessions x {turns} turns of {result['new_tokens']} greedy tokens, "
+        f"{result['sessions']} sessions x {turns} turns of {result['new_tokens']} greedy tokens "
+        f"(the first turn with {result.get('notes_words', 0)} words of notes of its own), "
         "turn by turn; three replicas, each with a sidecar kvstore, sharing a 3-master Redis "
         "Cluster (affinity: a session's turns on its replica; round robin: the next replica "
         "each turn, so turn 2 restores the session on a replica that never saw it and turns "
@@ -374,4 +411,14 @@ def markdown(result: dict) -> list[str]:
         "|" + "---|" * len(header),
     ]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    rr, aff = modes.get("round_robin"), modes.get("affinity")
+    if rr and aff and turns > 4:
+        cold = (rr["ttft_s_by_turn"][1] - aff["ttft_s_by_turn"][1]) * 1e3
+        stale = (rr["ttft_s_by_turn"][4] - aff["ttft_s_by_turn"][4]) * 1e3
+        lines += [
+            "",
+            f"Restoring a session on a replica that never saw it (round robin, turn 2) costs "
+            f"{cold:+.0f} ms of TTFT over affinity; replacing a stale copy (turn 5) "
+            f"{stale:+.0f} ms.",
+        ]
     return lines
