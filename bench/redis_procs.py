@@ -71,6 +71,7 @@ class RedisNode:
             if _cli(self.port, "PING", timeout_s=2).strip() == "PONG":
                 return self
             time.sleep(0.05)
+        self.kill()  # never leave a half-started server behind
         raise TimeoutError(f"redis-server on {self.port} did not start")
 
     def cli(self, *args: str) -> str:
@@ -117,6 +118,13 @@ class RedisClusterNodes:
         return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
 
     def start(self) -> RedisClusterNodes:
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> RedisClusterNodes:
         for node in self.nodes:
             node.start()
         addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]

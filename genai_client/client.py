@@ -40,6 +40,7 @@ from genai_client.types import (
     SessionInfo,
     Token,
 )
+from genai_common.metadata import SESSION_ID_HEADER, header_safe
 from genai_proto.genai.v1 import generate_pb2_grpc, model_pb2_grpc, session_pb2_grpc
 
 DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
@@ -80,9 +81,6 @@ def channel_credentials(
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     """Call metadata carrying the bearer token, if any."""
     return (("authorization", f"Bearer {token}"),) if token else ()
-
-
-SESSION_ID_HEADER = "x-session-id"  # docs/design.md, "Routing a session's turns"
 
 
 class GenerationStream(_convert.StreamState):
@@ -333,8 +331,8 @@ class _ClientBase:
         front of several replicas can hash on it (the server reads the id
         from the message; the header is for routing only)."""
         session_id = getattr(request, "session_id", "")
-        if not session_id:
-            return self._metadata
+        if not session_id or not header_safe(session_id):
+            return self._metadata  # the server answers an id it never made
         return (*self._metadata, (SESSION_ID_HEADER, session_id))
 
 

@@ -7,7 +7,8 @@ for the other replicas), so memory evictions simply forget. A disk or Redis
 hit is promoted to memory, except a record that was Put with ``replace``: with
 a Redis tier such a record lives in Redis alone, since another kvstore may
 replace it there (a local copy would go stale). The Redis tier fails soft: its
-errors are misses and counted write failures, never the RPC's. A Put of a
+errors are misses and counted write failures, never the RPC's, but for a
+replacement Redis did not take, which fails with UNAVAILABLE. A Put of a
 present key, or of a key another Put is storing right now, changes nothing,
 unless it asks to replace: replacements of one key are serialised, and each
 tier swaps the blob in one step, so a Get sees the old blob or the new one.
@@ -19,7 +20,7 @@ import asyncio
 
 import structlog
 
-from genai_common.errors import Internal, ResourceExhausted
+from genai_common.errors import Internal, ResourceExhausted, Unavailable
 from kvstore.disk_tier import DiskTier
 from kvstore.memory_tier import MemoryTier, StoredBlob
 from kvstore.redis_tier import RedisTier
@@ -143,14 +144,20 @@ class BlobStore:
         # Redis tier find the blob (a session record must have landed before
         # its turn's answer goes out; docs/design.md, "Sessions").
         in_redis = self.redis is not None and await self.redis.put(key, blob, replace=replace)
-        if replace and in_redis:
-            # Keep the record in Redis alone (see the module docstring); a
-            # record kept locally is one Redis did not take.
+        if replace and self.redis is not None:
+            # Keep the record in Redis alone (see the module docstring). One
+            # Redis did not take is kept nowhere and the Put fails: a copy
+            # kept here would be served over the newer ones other kvstores
+            # write to Redis once it is back.
             in_memory = False
             self.memory.delete(key)
             if self.disk is not None and on_disk:
                 await self.disk.delete(key)
                 on_disk = False
+            if not in_redis:
+                raise Unavailable(
+                    f"redis tier: the replacement of {key.hex()[:32]} was not stored; retry"
+                )
         if disk_error is not None and not in_memory and not in_redis:
             raise Internal(f"disk tier write failed: {disk_error}") from disk_error
         return PutResult(already_present=False, stored_in_memory=in_memory, stored_on_disk=on_disk)

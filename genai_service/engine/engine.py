@@ -172,17 +172,18 @@ class LLMEngine(InProcessDriver):
         if request.session_id is None:
             self._queue(request, None)
             return
-        waiting = self.scheduler.num_waiting + len(self._parked)
-        if request.session_id not in self.sessions and waiting >= self.config.scheduler.max_queue:
-            # Turns parked for their record count toward the queue bound too.
-            raise ResourceExhausted(
-                f"queue: {waiting} requests waiting, the limit is "
-                f"{self.config.scheduler.max_queue}; retry later"
-            )
         queued = self.session_calls.use(
             request.session_id, request.principal, lambda s: self._queue(request, s)
         )
         if isinstance(queued, PendingCall):
+            # Turns parked for their session's record count toward the queue bound.
+            waiting = self.scheduler.num_waiting + len(self._parked)
+            if waiting >= self.config.scheduler.max_queue:
+                queued.cancel()
+                raise ResourceExhausted(
+                    f"queue: {waiting} requests waiting, the limit is "
+                    f"{self.config.scheduler.max_queue}; retry later"
+                )
             self._parked.park(request, queued)
 
     def _queue(self, request: GenerationRequest, session: Session | None) -> None:

@@ -43,7 +43,7 @@ from .kv_chunk_store import (
     _resolve,
 )
 from .kv_codec import KvHeader
-from .kv_integrity import KvIntegrity
+from .kv_integrity import IntegrityError, KvIntegrity
 from .prefix_cache import KvLayers
 
 log = structlog.get_logger(__name__)
@@ -318,8 +318,10 @@ class GrpcKvChunkStore(_CountingStore):
         try:
             async with asyncio.timeout(timeout_s):
                 data = await self._get_record(key, timeout_s)
-        except Exception as exc:  # TimeoutError, AioRpcError, a bad blob or MAC: a miss
-            self.record_failed_at = time.monotonic()
+        except IntegrityError as exc:  # not sealed by us: a miss, the store answered
+            self._failed("record get", exc, key)
+        except Exception as exc:  # TimeoutError, AioRpcError, a bad blob: a miss
+            self.record_failed_at = time.monotonic()  # the store did not answer
             self._failed("record get", exc, key)
         finally:
             with self._lock:

@@ -8,6 +8,7 @@ no network; it shares the counters, warnings, sealing and chunk checks of
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -126,6 +127,7 @@ class MemoryKvChunkStore(_CountingStore):
         def read() -> bytes | None:
             if self.fail or delay_s >= timeout_s:
                 error = ConnectionError("failure injected") if self.fail else TimeoutError()
+                self.record_failed_at = time.monotonic()
                 self._failed("record get", error, key)
                 return None
             with self._lock:

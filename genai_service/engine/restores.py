@@ -35,6 +35,7 @@ from .sessions import (
     SessionInfo,
     SessionPage,
     SessionTable,
+    closed_record,
     is_session_id,
     not_found,
     record_key,
@@ -188,7 +189,7 @@ class SessionRestores:
                 try:
                     if self.table.adopt(session) is session:
                         self.counters["sessions_restored"] += 1
-                except GenAIError as exc:  # the table is full of busy sessions
+                except GenAIError as exc:  # full of busy sessions, or closed elsewhere
                     error = exc
             for resume in waiters:
                 resume(error)
@@ -218,7 +219,10 @@ def with_session(
     if session is not None:
         owned(session, principal)  # another principal's: refused before any fetch
         if restores is None or session.busy or restores.can_skip_check(session_id):
-            return then(session)
+            result = then(session)
+            if vouch and restores is not None:
+                restores.vouch(session_id)  # still good for the turn that follows
+            return result
     if restores is None or not restores.can_restore(session_id):
         raise not_found(session_id)
     pending = PendingCall()
@@ -313,7 +317,7 @@ class SessionCalls:
             if session.running_request_id is not None:
                 self._abort(session.running_request_id)  # closing cancels a running turn
             if self.remote is not None:
-                self.remote.delete_record(self.record_key(session_id))
+                self.remote.put_record(self.record_key(session_id), closed_record(session))
             return SessionTable.info(self.table.close(session_id))
 
         return self.use(session_id, principal, close)

@@ -63,6 +63,8 @@ class Session:
     # Bumped by every saved change (its record carries it): a record with a
     # higher version was written by another replica since (``SessionTable.adopt``).
     version: int = 0
+    # Read from a record that says the session was closed (on any replica).
+    closed: bool = False
     # KV of history[:kv_len] while parked, as consecutive chunks (complete ones
     # shared with the prefix index); None while a turn runs or after reset.
     kv: list[Any] | None = None
@@ -248,10 +250,16 @@ class SessionTable:
         it) since, so the copy here is stale and its parked KV is dropped."""
         present = self.find(session.session_id)
         if present is not None:
-            if present.busy or present.committing or session.version <= present.version:
+            if present.busy or present.committing or session.version < present.version:
                 return present
+            if session.version == present.version and session.history == present.history:
+                return present  # current: keep its parked KV
+            # Newer, or as new but different (two replicas wrote the same
+            # version: the shared record wins), or closed elsewhere.
             self._drop(present)
             self.replaced += 1
+        if session.closed:
+            raise not_found(session.session_id)
         self._make_room()
         if len(self._sessions) >= self.max_sessions:
             raise ResourceExhausted(
@@ -417,6 +425,19 @@ def _id_digest(session_id: str) -> str:
     return hashlib.blake2b(session_id.encode(), digest_size=16).hexdigest()
 
 
+def closed_record(session: Session) -> bytes:
+    """What a closed session's record becomes: a tombstone with the next
+    version, so that a replica still holding the session in memory drops it
+    (a deleted record would look like one the store evicted)."""
+    record = {
+        "v": 2,
+        "session_digest": _id_digest(session.session_id),
+        "closed": True,
+        "version": session.version + 1,
+    }
+    return json.dumps(record).encode()
+
+
 def session_record(session: Session) -> bytes:
     """A session's persisted state (no KV, no turn in flight) as a record."""
     record = {
@@ -440,6 +461,10 @@ def session_from_record(session_id: str, data: bytes, vocab_size: int) -> Sessio
     to another id, or holds tokens outside ``[0, vocab_size)``."""
     try:
         rec = json.loads(data)
+        if rec.get("closed") is True and rec["session_digest"] == _id_digest(session_id):
+            return Session(
+                session_id, 0.0, 0.0, 1.0, version=int(rec.get("version", 0)), closed=True
+            )
         history = [int(t) for t in rec["history"]]
         if rec["session_digest"] != _id_digest(session_id) or any(
             not 0 <= t < vocab_size for t in history

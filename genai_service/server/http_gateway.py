@@ -30,6 +30,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from genai_common.errors import GenAIError, Internal, InvalidArgument, Unavailable
+from genai_common.metadata import SESSION_ID_HEADER
 
 from ..config import ServerConfig
 from ..engine.sessions import check_metadata
@@ -37,7 +38,6 @@ from . import openai_api
 from .servicers import Frontend, bind_call, principal
 
 log = structlog.get_logger(__name__)
-SESSION_HEADER = "x-session-id"
 _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
@@ -154,9 +154,13 @@ class HttpGateway:
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > limit:
             raise InvalidArgument(f"body: {size} bytes; allowed at most {limit}")
-        data = await request.body()
-        if len(data) > limit:
-            raise InvalidArgument(f"body: {len(data)} bytes; allowed at most {limit}")
+        chunks, received = [], 0
+        async for chunk in request.stream():  # a chunked body has no Content-Length
+            received += len(chunk)
+            if received > limit:
+                raise InvalidArgument(f"body: more than {limit} bytes; allowed at most {limit}")
+            chunks.append(chunk)
+        data = b"".join(chunks)
         if not data:
             return {}
         try:
@@ -188,7 +192,7 @@ class HttpGateway:
         call = None
         try:
             rid = self._admit(request, name)
-            session_id = request.headers.get(SESSION_HEADER, "")
+            session_id = request.headers.get(SESSION_ID_HEADER, "")
             call = openai_api.parse(kind, await self._body(request), session_id)
             call.request.request_id = rid
             if session_id and kind == openai_api.CHAT:

@@ -437,3 +437,23 @@ def test_sigterm_drains_the_http_plane_too(long_context_model_dir: Path, tmp_pat
     records = [json.loads(line) for line in lines]
     assert "http_listening" in [r["event"] for r in records]
     assert "stopped" in [r["event"] for r in records]
+
+
+def test_a_chunked_body_is_bounded_while_it_is_read(bytes_models: dict[str, Path]) -> None:
+    """No Content-Length to check first: the gateway stops reading past the limit."""
+    srv = start(bytes_models["rope"], max_message_bytes=64 * 1024)
+    try:
+        assert srv.server is not None
+        conn = http.client.HTTPConnection("127.0.0.1", srv.server.http_port, timeout=60)
+        piece = b"x" * 16_384
+        body = (piece for _ in range(64))  # 1 MiB, sent chunked
+        conn.request(
+            "POST", "/v1/completions", body, {"content-type": "application/json"},
+            encode_chunked=True,
+        )  # fmt: skip
+        response = conn.getresponse()
+        answer = json.loads(response.read())
+        assert response.status == 400 and answer["error"]["param"] == "body", answer
+        assert "at most 65536" in answer["error"]["message"]
+    finally:
+        srv.stop()

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 import yaml
 
-from genai_client.client import SESSION_ID_HEADER
+from genai_common.metadata import SESSION_ID_HEADER
 from genai_service.server.metrics import VLLM_NAMES
 from tests.k8s_crds import validate_custom
 from tests.service.test_k8s import (

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import pytest_asyncio
 import redis
@@ -262,6 +263,12 @@ async def test_a_dead_redis_is_a_miss_and_a_counted_error(
         assert await client.get(_key(1)) == b"kept locally"  # the memory tier still serves
         assert await client.get(_key(3)) is None
         assert await client.lookup([_key(1), _key(2), _key(3)]) == 2
+        # A record replacement Redis did not take fails, and is kept nowhere
+        # (a local copy would later be served over newer ones in Redis).
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await client.put(_key(4), b"record v2", replace=True)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert await client.get(_key(4)) is None
         assert time.monotonic() - started < 3.0
         stats = (await client.stats()).redis
         assert stats is not None and stats.errors >= 3
