@@ -6,7 +6,8 @@ grpc.aio: each call is admitted as an RPC is (``Frontend.admit``: the same
 bearer tokens, UNAVAILABLE while draining), translated by ``openai_api`` into
 a ``GenerateRequest`` and run through ``Frontend.events``, the path
 GenerateStream takes, so validation, limits, tools, sessions, principals and
-metrics are the gRPC plane's own. No loopback gRPC hop.
+metrics are the gRPC plane's own; ``openai_reply`` translates the events back.
+No loopback gRPC hop.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from genai_common.metadata import SESSION_ID_HEADER
 
 from ..config import ServerConfig
 from ..engine.sessions import check_metadata
-from . import openai_api
+from . import openai_api, openai_reply
 from .servicers import Frontend, bind_call, principal
 
 log = structlog.get_logger(__name__)
@@ -177,7 +178,7 @@ class HttpGateway:
         else:
             log.info("http_error", code=exc.code, message=exc.message)
         self.fe.metrics.observe_rpc(name, exc.code, started)
-        status, body = openai_api.error_body(exc, names)
+        status, body = openai_reply.error_body(exc, names)
         headers = {"www-authenticate": "Bearer"} if status == 401 else None
         return _json(body, status, headers)
 
@@ -205,14 +206,14 @@ class HttpGateway:
         except Exception as exc:
             return self._failure(name, exc, started, call.names if call else None)
         info = self.fe.engine.info
-        reply = openai_api.Reply(call, info.model_id if info else "", rid)
+        reply = openai_reply.Reply(call, info.model_id if info else "", rid)
         if call.stream:
             body = self._stream(name, reply, first, events, started)
             return _EventStream(body, events, rid)
         text: list[str] = []
         event: Any = first
         try:
-            while not openai_api.is_final(event):
+            while not openai_reply.is_final(event):
                 text.append(event.text)
                 event = await anext(events)
         except Exception as exc:
@@ -225,7 +226,7 @@ class HttpGateway:
     async def _stream(
         self,
         name: str,
-        reply: openai_api.Reply,
+        reply: openai_reply.Reply,
         event: Any,
         events: AsyncGenerator[Any, None],
         started: float,
@@ -233,7 +234,7 @@ class HttpGateway:
         code = "CANCELLED"  # until the stream ends (a disconnect leaves it so)
         try:
             while True:
-                if openai_api.is_final(event):
+                if openai_reply.is_final(event):
                     for last in reply.final_chunks(event):
                         yield _sse(last)
                     yield b"data: [DONE]\n\n"
@@ -247,7 +248,7 @@ class HttpGateway:
             # After the headers: the error as the stream's last event, as
             # OpenAI's server sends it.
             code = exc.code
-            yield _sse(openai_api.error_body(exc, reply.call.names)[1])
+            yield _sse(openai_reply.error_body(exc, reply.call.names)[1])
         finally:
             await events.aclose()
             self.fe.metrics.observe_rpc(name, code, started)
@@ -269,7 +270,7 @@ class HttpGateway:
         except Exception as exc:
             return self._failure("ListModels", exc, started)
         self.fe.metrics.observe_rpc("ListModels", "OK", started)
-        return _json(openai_api.models(info.model_id, self.created))
+        return _json(openai_reply.models(info.model_id, self.created))
 
     async def health(self, request: Request) -> Response:
         serving = self.fe.engine.ready and not self.fe.draining

@@ -6,7 +6,7 @@ import pytest
 
 from genai_common.errors import InvalidArgument, NotFound, ResourceExhausted
 from genai_proto.genai.v1 import common_pb2, generate_pb2
-from genai_service.server import openai_api
+from genai_service.server import openai_api, openai_reply
 from genai_service.server.openai_api import CHAT, COMPLETIONS, parse
 
 USER = [{"role": "user", "content": "hi"}]
@@ -77,7 +77,7 @@ def test_fields_map_onto_the_generate_request() -> None:
 def test_bad_fields_are_named(kind: str, body: dict, param: str) -> None:
     with pytest.raises(InvalidArgument) as err:
         parse(kind, body)
-    status, error = openai_api.error_body(err.value)
+    status, error = openai_reply.error_body(err.value)
     assert status == 400 and error["error"]["param"] == param
 
 
@@ -93,11 +93,11 @@ def test_engine_field_paths_become_the_json_fields() -> None:
         "tools[2].parameters_json_schema: not valid JSON": "tools[2].function.parameters",
     }
     for message, param in cases.items():
-        status, body = openai_api.error_body(InvalidArgument(message), names)
+        status, body = openai_reply.error_body(InvalidArgument(message), names)
         assert status == 400 and body["error"]["param"] == param
         assert body["error"]["message"].startswith(param + ": ")
-    assert openai_api.error_body(NotFound("session"))[0] == 404
-    status, body = openai_api.error_body(ResourceExhausted("queue full"))
+    assert openai_reply.error_body(NotFound("session"))[0] == 404
+    status, body = openai_reply.error_body(ResourceExhausted("queue full"))
     assert status == 429 and body["error"] == {
         "message": "queue full",
         "type": "rate_limit_error",
@@ -122,7 +122,7 @@ def test_streamed_content_stops_where_a_tool_call_starts() -> None:
     call = parse(
         CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}
     )
-    reply = openai_api.Reply(call, "m", "r")
+    reply = openai_reply.Reply(call, "m", "r")
     texts = ["Sure <to", "ol_", "call>\n{", '"name": "f"}']
     chunks = [reply.delta_chunk(generate_pb2.Delta(text=t)) for t in texts]
     content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c)
@@ -133,7 +133,7 @@ def test_streamed_content_stops_where_a_tool_call_starts() -> None:
     assert last["choices"][0]["finish_reason"] == "tool_calls"
     assert last["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "f"
     # Text that only looked like a tag's start is let out at the end.
-    reply = openai_api.Reply(call, "m", "r")
+    reply = openai_reply.Reply(call, "m", "r")
     reply.delta_chunk(generate_pb2.Delta(text="a <t"))
     (last,) = reply.final_chunks(generate_pb2.Final())
     assert last["choices"][0]["delta"]["content"] == "<t"

@@ -1,0 +1,286 @@
+"""genai.v1 messages → OpenAI's JSON: where the HTTP gateway translates answers
+(docs/design.md, "HTTP gateway"; requests are ``openai_api``'s). ``Delta`` and
+``Final`` events become OpenAI's responses and stream chunks, domain errors
+OpenAI's error object with its HTTP status.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from genai_common.errors import GenAIError, InvalidArgument
+from genai_proto.genai.v1 import common_pb2, generate_pb2
+
+from ..engine.tokenizer import TOOL_CALL_OPEN
+from .openai_api import CHAT, COMPLETIONS, Call
+
+_FINISH = {
+    common_pb2.FINISH_REASON_EOS_TOKEN: "stop",
+    common_pb2.FINISH_REASON_STOP_SEQUENCE: "stop",
+    common_pb2.FINISH_REASON_MAX_TOKENS: "length",
+    common_pb2.FINISH_REASON_CONTEXT_LENGTH: "length",
+    common_pb2.FINISH_REASON_TIME_LIMIT: "length",
+    common_pb2.FINISH_REASON_CANCELLED: "abort",  # as vLLM reports it
+}
+# HTTP status and OpenAI error type of each gRPC status code (docs/design.md,
+# "HTTP gateway"; the gRPC side: "Status codes").
+HTTP_STATUS: dict[str, tuple[int, str]] = {
+    "INVALID_ARGUMENT": (400, "invalid_request_error"),
+    "FAILED_PRECONDITION": (409, "invalid_request_error"),
+    "UNAUTHENTICATED": (401, "authentication_error"),
+    "PERMISSION_DENIED": (403, "permission_error"),
+    "NOT_FOUND": (404, "not_found_error"),
+    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
+    "CANCELLED": (499, "invalid_request_error"),
+    "UNAVAILABLE": (503, "server_error"),
+    "DEADLINE_EXCEEDED": (504, "server_error"),
+    "DATA_LOSS": (500, "server_error"),
+    "INTERNAL": (500, "server_error"),
+}
+
+
+def is_final(event: generate_pb2.Delta | generate_pb2.Final) -> bool:
+    return isinstance(event, generate_pb2.Final)
+
+
+# -- errors -----------------------------------------------------------------------
+
+_PATH = re.compile(r"^(?P<path>[A-Za-z_][\w.\[\]]*): ")
+_RENAMES = (
+    (re.compile(r"^sampling\.(\w+)"), r"\1"),
+    (re.compile(r"^stopping\.stop_sequences"), "stop"),
+    (re.compile(r"^stopping\.min_new_tokens"), "min_tokens"),
+    (re.compile(r"^stopping\.stop_token_ids"), "stop_token_ids"),
+    (re.compile(r"^stopping\.time_limit_ms"), "time_limit_ms"),
+    (re.compile(r"^constraint\.json_schema"), "response_format.json_schema.schema"),
+    (re.compile(r"^constraint(\.json_object)?"), "response_format"),
+    (re.compile(r"^tools\[(\d+)\]\.parameters_json_schema"), r"tools[\1].function.parameters"),
+    (re.compile(r"^tools\[(\d+)\]\.name"), r"tools[\1].function.name"),
+    (
+        re.compile(r"^messages\[(\d+)\]\.tool_calls\[(\d+)\]\.arguments_json"),
+        r"messages[\1].tool_calls[\2].function.arguments",
+    ),
+)
+
+
+def error_body(exc: GenAIError, names: Mapping[str, str] | None = None) -> tuple[int, dict]:
+    """The HTTP status and OpenAI error object of a domain error; a bad
+    argument's message and ``param`` name the JSON field the client sent."""
+    status, kind = HTTP_STATUS.get(exc.code, (500, "server_error"))
+    message, param = exc.message, None
+    if isinstance(exc, InvalidArgument):
+        path, _ = exc.field_violation()
+        if path:
+            renamed = _rename(path, names or {})
+            message = renamed + message[len(path) :]
+            param = renamed
+    error = {"message": message, "type": kind, "param": param, "code": exc.code.lower()}
+    return status, {"error": error}
+
+
+def _rename(path: str, names: Mapping[str, str]) -> str:
+    head = re.match(r"[A-Za-z_][\w.]*", path)
+    if head and names.get(head.group()):
+        return names[head.group()] + path[head.end() :]
+    for pattern, replacement in _RENAMES:
+        if pattern.match(path):
+            return pattern.sub(replacement, path, count=1)
+    return path
+
+
+# -- responses --------------------------------------------------------------------
+
+
+def usage(u: common_pb2.Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
+
+
+def finish_reason(final: generate_pb2.Final) -> str:
+    if final.tool_calls:
+        return "tool_calls"
+    return _FINISH.get(final.finish_reason, "stop")
+
+
+def tool_calls(calls: Sequence[common_pb2.ToolCall]) -> list[dict[str, Any]]:
+    return [
+        {
+            "id": c.id,
+            "type": "function",
+            "function": {"name": c.name, "arguments": c.arguments_json},
+        }
+        for c in calls
+    ]
+
+
+def logprobs(call: Call, items: Sequence[common_pb2.TokenLogprob], offset: int = 0) -> Any:
+    """A choice's ``logprobs`` in the shape of the call's endpoint (None: none asked)."""
+    if call.logprobs is None:
+        return None
+    n = call.logprobs
+    if call.kind == CHAT:
+
+        def entry(text: str, lp: float) -> dict[str, Any]:
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+        return {
+            "content": [
+                {
+                    **entry(t.text, t.logprob),
+                    "top_logprobs": [entry(a.text, a.logprob) for a in t.top[:n]],
+                }
+                for t in items
+            ]
+        }
+    offsets, at = [], offset
+    for t in items:
+        offsets.append(at)
+        at += len(t.text)
+    return {
+        "tokens": [t.text for t in items],
+        "token_logprobs": [t.logprob for t in items],
+        "top_logprobs": [{a.text: a.logprob for a in t.top[:n]} for t in items],
+        "text_offset": offsets,
+    }
+
+
+class Reply:
+    """Builds one call's response or stream chunks, from its events."""
+
+    def __init__(self, call: Call, model: str, request_id: str) -> None:
+        self.call = call
+        self.model = model
+        prefix = "chatcmpl-" if call.kind == CHAT else "cmpl-"
+        self.id = prefix + request_id
+        self.created = int(time.time())
+        self.object = "chat.completion" if call.kind == CHAT else "text_completion"
+        self.text_len = 0  # completions' text_offset of the next token
+        self.sent_role = False
+        # With tools offered, streamed content stops where a call starts (the
+        # call comes whole, as tool_calls, at the end).
+        self.hold = (
+            call.kind == CHAT and len(call.request.tools) > 0 and call.request.tool_choice != "none"
+        )
+        self.buffer = ""
+        self.in_call = False
+
+    def _base(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def _choice(self, text: str | None, lps: Any, finish: str | None, final: Any = None) -> dict:
+        choice: dict[str, Any] = {"index": 0}
+        if self.call.kind == CHAT:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if final is not None and final.tool_calls:
+                message["tool_calls"] = tool_calls(final.tool_calls)
+            choice["message"] = message
+        else:
+            choice["text"] = text
+        choice["logprobs"] = lps
+        choice["finish_reason"] = finish
+        return choice
+
+    def response(self, text: str, final: generate_pb2.Final) -> dict[str, Any]:
+        """The unary response body."""
+        content: str | None = text
+        if self.call.kind == CHAT and final.tool_calls:
+            content = text.split(TOOL_CALL_OPEN, 1)[0].strip() or None
+        body = self._base(self.object)
+        body["choices"] = [
+            self._choice(content, logprobs(self.call, final.logprobs), finish_reason(final), final)
+        ]
+        body["usage"] = usage(final.usage)
+        body["system_fingerprint"] = None
+        return body
+
+    def _chunk(self, delta: dict[str, Any] | str, lps: Any, finish: str | None) -> dict:
+        chunk = self._base("chat.completion.chunk" if self.call.kind == CHAT else self.object)
+        choice: dict[str, Any] = {"index": 0}
+        if self.call.kind == CHAT:
+            choice["delta"] = delta
+        else:
+            choice["text"] = delta
+        choice["logprobs"] = lps
+        choice["finish_reason"] = finish
+        chunk["choices"] = [choice]
+        if self.call.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _visible(self, text: str, end: bool) -> str:
+        """The part of ``text`` to stream as content (all of it without tools)."""
+        if not self.hold or self.in_call:
+            return "" if self.in_call else text
+        self.buffer += text
+        at = self.buffer.find(TOOL_CALL_OPEN)
+        if at >= 0:
+            self.in_call = True
+            out, self.buffer = self.buffer[:at], ""
+            return out
+        keep = 0 if end else _partial_tag(self.buffer)
+        out, self.buffer = (
+            self.buffer[: len(self.buffer) - keep],
+            self.buffer[len(self.buffer) - keep :],
+        )
+        return out
+
+    def delta_chunk(self, delta: generate_pb2.Delta) -> dict[str, Any] | None:
+        lps = logprobs(self.call, delta.logprobs, self.text_len)
+        self.text_len += len(delta.text)
+        if self.call.kind == COMPLETIONS:
+            return self._chunk(delta.text, lps, None)
+        text = self._visible(delta.text, end=False)
+        d: dict[str, Any] = {"content": text}
+        if not self.sent_role:
+            d = {"role": "assistant", **d}
+            self.sent_role = True
+        elif not text and lps is None:
+            return None
+        return self._chunk(d, lps, None)
+
+    def final_chunks(self, final: generate_pb2.Final) -> list[dict[str, Any]]:
+        chunks = []
+        finish = finish_reason(final)
+        if self.call.kind == CHAT:
+            d: dict[str, Any] = {}
+            if not self.sent_role:
+                d["role"] = "assistant"
+                self.sent_role = True
+            rest = self._visible("", end=True)
+            if rest or "role" in d:
+                d["content"] = rest
+            if final.tool_calls:
+                d["tool_calls"] = [
+                    {"index": i, **c} for i, c in enumerate(tool_calls(final.tool_calls))
+                ]
+            chunks.append(self._chunk(d, None, finish))
+        else:
+            chunks.append(self._chunk("", None, finish))
+        if self.call.include_usage:
+            tail = self._base(chunks[0]["object"])
+            tail["choices"] = []
+            tail["usage"] = usage(final.usage)
+            chunks.append(tail)
+        return chunks
+
+
+def _partial_tag(text: str) -> int:
+    """How many characters at the end of ``text`` may begin a call's tag."""
+    for n in range(min(len(TOOL_CALL_OPEN) - 1, len(text)), 0, -1):
+        if TOOL_CALL_OPEN.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def models(model_id: str, created: int) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "genai-grpc"}],
+    }
