@@ -33,7 +33,7 @@ from genai_client import Client
 from kvstore.client import KvStoreClient
 from kvstore.stats import TierStats
 
-from .procs import free_port, scrape_metrics
+from .procs import free_port, log_tail, scrape_metrics
 from .redis_procs import RedisClusterNodes
 
 SERVER_START_TIMEOUT_S = 300.0
@@ -112,33 +112,49 @@ class Fleet:
         env = {**os.environ, "GENAI_KVSTORE_AUTH_TOKEN": self.token}
         try:
             for i, r in enumerate(self.replicas):
-                kv_args = [
-                    "--port",
-                    str(r.kv_port),
-                    "--memory-bytes",
-                    str(self.kvstore_memory_bytes),
-                ]
-                if self.redis_url:
-                    kv_args += ["--redis", self.redis_url]
-                r.kvstore = self._spawn([sys.executable, "-m", "kvstore", *kv_args], env, f"kv{i}")
-            for r in self.replicas:
-                assert r.kvstore is not None
-                _wait_serving(f"127.0.0.1:{r.kv_port}", r.kvstore, 30)
+                r.kvstore = self._start_one(i, r, "kv", env)
             for i, r in enumerate(self.replicas):
+                r.server = self._start_one(i, r, "server", env)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_one(
+        self, i: int, r: Replica, kind: str, env: dict[str, str]
+    ) -> subprocess.Popen[bytes]:
+        """Start replica ``i``'s kvstore or server on fresh ports, again (at most
+        three times) when one was taken meanwhile: the kvstores' connections to
+        Redis take ephemeral ports from the same range as ``free_port``."""
+        for attempt in range(3):
+            if kind == "kv":
+                if attempt:
+                    r.kv_port = free_port()
+                args = [sys.executable, "-m", "kvstore", "--port", str(r.kv_port),
+                        "--memory-bytes", str(self.kvstore_memory_bytes)]  # fmt: skip
+                if self.redis_url:
+                    args += ["--redis", self.redis_url]
+                target, timeout_s = f"127.0.0.1:{r.kv_port}", 30.0
+            else:
+                if attempt:
+                    r.port, r.metrics_port = free_port(), free_port()
                 args = [
                     sys.executable, "-m", "genai_service", "--model", self.model_dir,
                     "--port", str(r.port), "--kvstore", f"127.0.0.1:{r.kv_port}",
                     "--metrics-port", str(r.metrics_port),
                     "--kv-integrity-key-file", str(self.key_file), *self.server_args,
                 ]  # fmt: skip
-                r.server = self._spawn(args, env, f"server{i}")
-            for r in self.replicas:
-                assert r.server is not None
-                _wait_serving(r.target, r.server, SERVER_START_TIMEOUT_S)
-        except BaseException:
-            self.stop()
-            raise
-        return self
+                target, timeout_s = r.target, SERVER_START_TIMEOUT_S
+            name = f"{kind}{i}"
+            proc = self._spawn(args, env, name)
+            try:
+                _wait_serving(target, proc, timeout_s)
+                return proc
+            except RuntimeError:  # it exited: a port taken, or a real failure
+                tail = log_tail(self.log_dir / f"{name}.log")
+                if "bind" not in tail.lower() and "address already in use" not in tail.lower():
+                    raise RuntimeError(f"{name} failed to start:\n{tail}") from None
+        raise RuntimeError(f"{name} could not bind a free port in three tries")
 
     def _spawn(self, args: list[str], env: dict[str, str], name: str) -> subprocess.Popen[bytes]:
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
