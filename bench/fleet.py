@@ -452,8 +452,9 @@ def markdown(result: dict) -> list[str]:
             "A moved session's history KV is rebuilt from chunks, its tail in one "
             "several-row prefill, where the session that stayed built it token by token; "
             "on an int8-activation graph (MatMulNBits, the default model) those round "
-            "differently and greedy near-ties can go the other way (docs/design.md, "
-            '"Speculative decoding"). One server that drops its parked KV every turn, '
+            "differently and greedy near-ties can go the other way "
+            '(docs/design.md, "Speculative decoding"). One server that drops its parked KV '
+            "every turn, "
             "and so restores like a moved session, matches "
             f"{result['restoring_matches_one_server']} of {total} turns of the plain one "
             "server; on fp32 graphs every turn "

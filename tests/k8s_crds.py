@@ -1,14 +1,18 @@
 """Schemas of the custom resources that k8s/overlays use, for tests/service/test_k8s.py.
 
-kubernetes-validate knows only the built-in kinds, and no package on the
-registries CI reaches ships these CRDs, so their OpenAPI schemas are restated
-here as JSON Schema from the published CRDs (field names, types, enums,
-bounds, required fields): the Istio ``networking.istio.io/v1``
-DestinationRule (1.22+) and the Gateway API Inference Extension's
-``inference.networking.k8s.io/v1`` InferencePool (v1.0). Every object level
-restated is closed (``additionalProperties: false``, as the API server prunes
-or, with field validation Strict, rejects unknown fields): a typo in a field
-name fails. Sub-trees the overlays do not use are accepted by name only.
+kubernetes-validate knows only the built-in kinds, so the OpenAPI schemas of
+these CRDs are restated here as JSON Schema from the published CRDs (field
+names, types, enums, bounds, required fields): the Istio
+``networking.istio.io/v1`` DestinationRule (1.22+) and the Gateway API
+Inference Extension's ``inference.networking.k8s.io/v1`` InferencePool (v1.0).
+Every object level restated is closed (``additionalProperties: false``, as the
+API server prunes or, with field validation Strict, rejects unknown fields): a
+typo in a field name fails. Sub-trees the overlays do not use are accepted by
+name only. The DestinationRule is also validated against the schema that
+``@kubernetes-models/istio`` (npm) generates from Istio's own CRDs
+(k8s/validate/, tests/service/test_k8s_routing.py), which checks types and
+one-of rules but not unknown fields; no registry CI reaches ships the
+InferencePool's.
 """
 
 from __future__ import annotations

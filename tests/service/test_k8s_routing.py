@@ -5,6 +5,8 @@ route to. Rendering and schema validation are tests/service/test_k8s.py's."""
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
 
 import jsonschema
 import pytest
@@ -12,8 +14,10 @@ import yaml
 
 from genai_common.metadata import SESSION_ID_HEADER
 from genai_service.server.metrics import VLLM_NAMES
+from tests.conftest import require_tool
 from tests.k8s_crds import validate_custom
 from tests.service.test_k8s import (
+    K8S,
     container,
     deployment,
     kvstore_args,
@@ -152,3 +156,40 @@ def test_redis_tier_overlay_gives_the_sidecar_its_shared_tier() -> None:
     assert [o for o in objects if o["kind"] != "Deployment"] == [
         o for o in base if o["kind"] != "Deployment"
     ]
+
+
+VALIDATE = K8S / "validate"
+
+
+def _validate_with_crd_schemas(objects: list[dict]) -> subprocess.CompletedProcess[str]:
+    """k8s/validate/validate.mjs: the schemas @kubernetes-models generates from
+    Istio's own CRDs (types, enums, one-of rules; not strict about unknown
+    fields, which tests/k8s_crds.py is)."""
+    require_tool("node")
+    require_tool("npm")
+    if not (VALIDATE / "node_modules").is_dir():
+        subprocess.run(
+            ["npm", "ci", "--no-audit", "--no-fund", "--silent"],
+            cwd=VALIDATE,
+            check=True,
+            timeout=300,
+        )
+    return subprocess.run(
+        ["node", "validate.mjs"],
+        cwd=VALIDATE,
+        input=json.dumps(objects),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_destination_rule_validates_against_istios_crd_schema() -> None:
+    rule = one(rendered("session-affinity"), "DestinationRule", "genai-grpc")
+    result = _validate_with_crd_schemas([rule])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == "ok DestinationRule/genai-grpc"
+    bad = copy.deepcopy(rule)
+    bad["spec"]["trafficPolicy"]["loadBalancer"]["consistentHash"]["useSourceIp"] = True
+    result = _validate_with_crd_schemas([bad])  # two hash keys: the CRD's one-of rule
+    assert result.returncode == 1 and "invalid DestinationRule" in result.stdout
