@@ -270,7 +270,11 @@ def _sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingAr
     n, v = s.size, x.shape[1]
     xs = kernels.take_rows(x, s)  # [S, V]; a view when every row samples, so read only
     t = args.temperature[s]  # [S] float32, > 0
-    m = xs.max(axis=1) / t  # == max(xs / t): dividing by t > 0 keeps the order
+    k = args.top_k[s]
+    heads = None  # every row top-k: its group maxima give the row maxima, one pass fewer
+    if n and ((k > 0) & (k < v)).all():
+        heads = kernels.group_heads(xs, k)
+    m = (xs if heads is None else heads).max(axis=1) / t  # == max(xs / t): t > 0 keeps the order
     live = np.isfinite(m)  # else everything masked (or NaN/inf): raw argmax
     m[~live] = 0.0
 
@@ -282,11 +286,12 @@ def _sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingAr
     if mp.any():
         # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p)
         floor[mp] = m[mp] + np.log(min_p[mp])
-    k = args.top_k[s]
     kr = np.flatnonzero((k > 0) & (k < v) & live)
     survivors = None
     if kr.size:
-        kth, rr, cc, vals = kernels.kth_largest(kernels.take_rows(xs, kr), k[kr])
+        kth, rr, cc, vals = kernels.kth_largest(
+            kernels.take_rows(xs, kr), k[kr], heads if kr.size == n else None
+        )
         floor[kr] = np.maximum(floor[kr], kth / t[kr])  # the k-th largest of xs / t
         survivors = (kr[rr], cc, vals)
 

@@ -84,43 +84,60 @@ def concat_rows(
 
 
 def kth_largest(
-    x: np.ndarray, k: np.ndarray
+    x: np.ndarray, k: np.ndarray, heads: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per row of ``x`` [K, V] its ``k``-th largest value [K], and the
     ``top_survivors`` it was ranked among (a superset of the tokens a cut at
-    it keeps, ties and rounding included)."""
-    rr, cc, vals = top_survivors(x, k)
+    it keeps, ties and rounding included); ``heads``: ``group_heads(x, k)``
+    if the caller has it."""
+    rr, cc, vals = top_survivors(x, k, heads)
     counts = np.bincount(rr, minlength=x.shape[0])
     kth = sorted_desc(rr, vals)[1][np.cumsum(counts) - counts + k - 1]
     return kth, rr, cc, vals
 
 
-def top_survivors(x: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def group_heads(x: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """The maxima of ``x`` [K, V]'s strided groups that ``top_survivors``
+    bounds the ``k``-th largest with (``x`` itself when V is too short to
+    group); a row's maximum is exactly the maximum of its heads."""
+    kk, v = x.shape
+    cols = max(KTH_GROUPS, 4 * int(k.max()))
+    per = v // cols
+    if per < 2:
+        return x
+    heads = x[:, : per * cols].reshape(kk, per, cols).max(axis=1)  # [K, cols]
+    if per * cols < v:
+        heads = np.concatenate([heads, x[:, per * cols :]], axis=1)
+    return heads
+
+
+def top_survivors(
+    x: np.ndarray, k: np.ndarray, heads: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every entry (row, token, value; row-then-token order) of ``x`` [K, V]
     at or above a lower bound of its row's ``k``-th largest value, less a
     margin wider than the rounding of a division by the temperature.
 
     Any k entries of a row bound its k-th largest from below; the maxima of
     ``KTH_GROUPS`` strided groups are a cheap such set that is nearly the
-    top one, so one compare leaves few survivors to rank."""
-    kk, v = x.shape
+    top one, so one compare leaves few survivors to rank. ``heads``:
+    ``group_heads(x, k)`` if the caller has it."""
+    kk = x.shape[0]
     kmax = int(k.max())
-    cols = max(KTH_GROUPS, 4 * kmax)
-    per = v // cols
-    heads = x
-    if per >= 2:
-        heads = x[:, : per * cols].reshape(kk, per, cols).max(axis=1)  # [K, cols]
-        if per * cols < v:
-            heads = np.concatenate([heads, x[:, per * cols :]], axis=1)
+    if heads is None:
+        heads = group_heads(x, k)
     h = heads.shape[1]
     top = np.partition(heads, h - kmax, axis=1)[:, h - kmax :]  # [K, kmax] largest, unsorted
     top.sort(axis=1)
     bound = top[np.arange(kk), kmax - k]
     mask = x >= float32_below(bound.astype(np.float64))[:, None]  # [K, V]
-    short = np.count_nonzero(mask, axis=1) < k  # NaN or inf in the row (raw logits only)
+    rr, cc = true_pairs(mask)
+    # Counted from the pairs: ``np.count_nonzero(mask, axis=1)`` sums the
+    # [K, V] mask as integers, ~3x the cost of the scan itself.
+    short = np.bincount(rr, minlength=kk) < k  # NaN or inf in the row (raw logits only)
     if short.any():
         mask[short] = True
-    rr, cc = true_pairs(mask)
+        rr, cc = true_pairs(mask)
     return rr, cc, x[rr, cc]
 
 
