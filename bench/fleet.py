@@ -17,7 +17,6 @@ import contextlib
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,43 +25,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from genai_client import Client
 from kvstore.client import KvStoreClient
 from kvstore.stats import TierStats
 
-from .procs import free_port, log_tail, scrape_metrics
+from .procs import free_port, log_tail, scrape_metrics, stop_tree, wait_serving
 from .redis_procs import RedisClusterNodes
 
 SERVER_START_TIMEOUT_S = 300.0
-
-
-def _wait_serving(target: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
-            with contextlib.suppress(grpc.RpcError):
-                request = health_pb2.HealthCheckRequest()
-                if stub.Check(request, timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            time.sleep(0.1)
-    raise TimeoutError(f"{target} did not start serving within {timeout_s} s")
-
-
-def _stop(proc: subprocess.Popen[bytes] | None, timeout_s: float = 10.0) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout_s)
 
 
 @dataclass
@@ -148,7 +118,7 @@ class Fleet:
             name = f"{kind}{i}"
             proc = self._spawn(args, env, name)
             try:
-                _wait_serving(target, proc, timeout_s)
+                wait_serving(target, proc, timeout_s)
                 return proc
             except RuntimeError:  # it exited: a port taken, or a real failure
                 tail = log_tail(self.log_dir / f"{name}.log")
@@ -162,9 +132,11 @@ class Fleet:
 
     def stop(self) -> None:
         for r in self.replicas:
-            _stop(r.server)
+            if r.server is not None:
+                stop_tree(r.server, 10.0)
         for r in self.replicas:
-            _stop(r.kvstore)
+            if r.kvstore is not None:
+                stop_tree(r.kvstore, 10.0)
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def kvstore_stats(self) -> list[dict[str, float]]:

@@ -17,15 +17,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from genai_client import AsyncClient, Client
 from genai_service.config import EngineConfig, RunnerConfig, SchedulerConfig
 from genai_service.engine.engine import LLMEngine
 from genai_service.engine.request import GenerationRequest, StoppingCriteria
 
-from .procs import REPO, RssMonitor, engine_pids, free_port, log_tail, stop_tree
+from .procs import REPO, RssMonitor, engine_pids, free_port, log_tail, stop_tree, wait_serving
 from .workload import stream_stats
 
 # Server defaults (genai-server --max-num-seqs / --max-batched-tokens), used in-process too.
@@ -163,20 +160,14 @@ class ServerProcess:
         return {"frontend": [self.proc.pid], "engine": engine_pids(self.proc.pid)}
 
     def _wait_serving(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.target) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"genai-server exited early:\n{self.log_tail()}")
-                try:
-                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.2)
-        raise TimeoutError(f"genai-server not SERVING after {timeout_s}s:\n{self.log_tail()}")
+        try:
+            wait_serving(self.target, self.proc, timeout_s)
+        except RuntimeError:
+            raise RuntimeError(f"genai-server exited early:\n{self.log_tail()}") from None
+        except TimeoutError:
+            raise TimeoutError(
+                f"genai-server not SERVING after {timeout_s}s:\n{self.log_tail()}"
+            ) from None
 
     def log_tail(self, lines: int = 30) -> str:
         return log_tail(self._log.name, lines)

@@ -14,7 +14,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+import grpc
 import psutil
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
 MB = 1024 * 1024
@@ -169,6 +171,23 @@ def _safe_name(proc: psutil.Process) -> str:
         return proc.name()
     except psutil.Error:
         return "?"
+
+
+def wait_serving(target: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Poll ``target``'s grpc.health.v1 until it answers SERVING; RuntimeError
+    if ``proc`` exits first, TimeoutError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}")
+            with contextlib.suppress(grpc.RpcError):
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            time.sleep(0.1)
+    raise TimeoutError(f"{target} not SERVING after {timeout_s} s")
 
 
 def stop_tree(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
