@@ -196,9 +196,15 @@ class HttpGateway:
             session_id = request.headers.get(SESSION_ID_HEADER, "")
             call = openai_api.parse(kind, await self._body(request), session_id)
             call.request.request_id = rid
-            if session_id and kind == openai_api.CHAT:
-                await self._continue_session(call)
-            events = self.fe.events(call.request)
+            session = None
+            if session_id:
+                # NOT_FOUND for an unknown session from here, before any work.
+                session = await self.fe.engine.get_session(session_id, principal())
+                if kind == openai_api.CHAT and session.history_tokens > 0:
+                    # OpenAI clients resend the whole conversation: a turn of a
+                    # session that has history sends what follows the last answer.
+                    openai_api.continue_conversation(call)
+            events = self.fe.events(call.request, session)
             # The first event before any byte goes out: a request the engine
             # refuses (bad value, queue full, busy session) gets its own HTTP
             # status rather than an error inside a 200 stream.
@@ -252,13 +258,6 @@ class HttpGateway:
         finally:
             await events.aclose()
             self.fe.metrics.observe_rpc(name, code, started)
-
-    async def _continue_session(self, call: openai_api.Call) -> None:
-        """OpenAI clients resend the whole conversation: a turn of a session
-        that has history sends only what follows the last answer."""
-        info = await self.fe.engine.get_session(call.request.session_id, principal())
-        if info.history_tokens > 0:
-            openai_api.continue_conversation(call)
 
     async def models(self, request: Request) -> Response:
         started = time.monotonic()

@@ -34,7 +34,7 @@ from genai_proto.genai.v1 import (
 )
 
 from ..engine.request import GenerationRequest, RequestOutput
-from ..engine.sessions import check_metadata
+from ..engine.sessions import SessionInfo, check_metadata
 from ..engine.tokenizer import Tokenizer
 from . import convert
 from .engine_process import EngineProcess
@@ -111,12 +111,12 @@ class Frontend:
         self.check_serving()
 
     async def build_request(
-        self, request: generate_pb2.GenerateRequest
+        self, request: generate_pb2.GenerateRequest, session: SessionInfo | None = None
     ) -> tuple[GenerationRequest, ToolUse | None]:
-        """The engine's request, and the tools it offers (None: no tools)."""
+        """The engine's request, and the tools it offers (None: no tools).
+        ``session``: the request's session as a caller has just read it."""
         use = tool_use(request)  # INVALID_ARGUMENT before any other work
-        session = None
-        if request.session_id:
+        if request.session_id and session is None:
             # NOT_FOUND for an unknown session comes from here, before any work.
             session = await self.engine.get_session(request.session_id, _principal.get())
         ids, _ = convert.prompt_token_ids(
@@ -148,12 +148,13 @@ class Frontend:
                     yield out
 
     async def events(
-        self, request: generate_pb2.GenerateRequest
+        self, request: generate_pb2.GenerateRequest, session: SessionInfo | None = None
     ) -> AsyncGenerator[generate_pb2.Delta | generate_pb2.Final, None]:
         """A request's stream events: a Delta per output with tokens or
-        text, then one Final (shared by GenerateStream and GenerateBidi)."""
+        text, then one Final (shared by GenerateStream, GenerateBidi and the
+        HTTP gateway, which passes the ``session`` it has read already)."""
         outputs: list[RequestOutput] = []
-        built, use = await self.build_request(request)
+        built, use = await self.build_request(request, session)
         async for out in self.outputs(built, self.stream_interval):
             outputs.append(out)
             if out.token_ids or out.text:

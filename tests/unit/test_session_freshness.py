@@ -119,7 +119,7 @@ def test_a_get_session_vouches_for_the_turn_after_it(
     sid = a.calls.create(None, "", None).session_id
     a.get(sid)
     assert len(fetches) == 1
-    a.get(sid)  # the HTTP gateway asks twice before a turn: still one fetch
+    a.get(sid)  # asked twice before a turn: still one fetch
     a.session(sid)  # the turn
     assert len(fetches) == 1
     a.session(sid)  # the next turn with no GetSession before it fetches
