@@ -300,3 +300,19 @@ def test_record_fetches_and_parked_turns_are_bounded(
         time.sleep(0.01)
     assert all(p.done and isinstance(p.value, NotFound) for p in pending)
     assert isinstance(engine.get_session(ids[4]), PendingCall)  # room again
+
+
+def test_turns_of_a_session_in_memory_parked_for_its_record_count_toward_the_queue(
+    long_context_model_dir: Path, store: MemoryKvChunkStore
+) -> None:
+    """With a kvstore a session in memory is checked against its record before
+    a turn runs (docs/design.md, "Routing a session's turns"), so its turns park
+    too, and the queue bound holds for them."""
+    engine = make_engine(long_context_model_dir, store, scheduler=SchedulerConfig(max_queue=2))
+    sid = engine.create_session().session_id
+    store.delay_s = DELAY_S  # the record check stays in flight
+    engine.add_request(greedy("q1", T2, 2, session_id=sid))
+    engine.add_request(greedy("q2", T2, 2, session_id=sid))
+    with pytest.raises(ResourceExhausted, match="queue: 2 requests waiting, the limit is 2"):
+        engine.add_request(greedy("q3", T2, 2, session_id=sid))
+    assert sid in engine.sessions  # in memory all along

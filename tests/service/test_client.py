@@ -582,6 +582,15 @@ def test_session_id_sent_as_routing_header(fake: Fake) -> None:
         assert fake.state.session_headers[-1] == session_id  # CloseSession
 
 
+def test_a_session_id_that_cannot_be_a_header_is_left_to_the_server(fake: Fake) -> None:
+    """Not printable ASCII: no x-session-id (gRPC would refuse the metadata in
+    the client, as INTERNAL); the server answers such an id itself."""
+    with Client(fake.target, timeout=10) as c:
+        with pytest.raises(genai_client.NotFoundError):
+            c.generate("a", session_id="sessi\u00f3n\n")
+        assert fake.state.session_headers[-1] is None
+
+
 @pytest.mark.asyncio
 async def test_async_session_id_sent_as_routing_header(fake: Fake) -> None:
     async with AsyncClient(fake.target, timeout=10) as c, c.session() as chat:
