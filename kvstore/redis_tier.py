@@ -265,28 +265,44 @@ class RedisTier:
         return len(keys)
 
     async def _touch_many(self, names: list[bytes]) -> list[bool]:
-        present = [False] * len(names)
+        touched: list[Any] = [0] * len(names)  # a shard that fails: absent
+        await self._bounded(
+            "lookup",
+            lambda: self._per_shard(names, lambda pipe, i: pipe.touch(names[i]), touched, "lookup"),
+        )
+        return [bool(t) for t in touched]
 
-        async def touch(indices: list[int]) -> None:
+    async def _per_shard(
+        self,
+        names: list[bytes],
+        command: Callable[[Any, int], Any],
+        results: list[Any] | None = None,
+        tolerate: str | None = None,
+    ) -> None:
+        """``command(pipeline, i)`` for each of ``names``, one pipeline per
+        shard, the shards concurrently; each reply lands in ``results[i]`` as
+        its shard answers. With ``tolerate`` (the operation's name), a shard
+        that fails is counted and leaves its results as they were, instead of
+        failing the whole call."""
+
+        async def run(indices: list[int]) -> None:
             pipe = self._client.pipeline(transaction=False)
             for i in indices:
-                pipe.touch(names[i])
-            for i, touched in zip(indices, await pipe.execute(), strict=True):
-                present[i] = bool(touched)
+                command(pipe, i)
+            replies = await pipe.execute()
+            if results is not None:
+                for i, reply in zip(indices, replies, strict=True):
+                    results[i] = reply
 
-        async def run() -> None:
-            groups = await self._by_node(names)
-            outcomes = await asyncio.gather(
-                *(touch(indices) for indices in groups), return_exceptions=True
-            )
-            for outcome in outcomes:
-                if isinstance(outcome, BaseException):
-                    if not isinstance(outcome, _FAILURES):
-                        raise outcome
-                    self._error("lookup", outcome)
-
-        await self._bounded("lookup", run)
-        return present
+        groups = await self._by_node(names)
+        outcomes = await asyncio.gather(
+            *(run(indices) for indices in groups), return_exceptions=tolerate is not None
+        )
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                if not isinstance(outcome, _FAILURES):
+                    raise outcome
+                self._error(tolerate or "", outcome)
 
     async def _by_node(self, names: list[bytes]) -> list[list[int]]:
         """Indices of ``names`` grouped by the shard that owns them (one group
@@ -337,16 +353,8 @@ class RedisTier:
         names = [self._part_name(key, nonce, i) for i in range(parts)]
         values: list[bytes | None] = [None] * parts
 
-        async def fetch(indices: list[int]) -> None:
-            pipe = self._client.pipeline(transaction=False)
-            for i in indices:
-                pipe.get(names[i])
-            for i, value in zip(indices, await pipe.execute(), strict=True):
-                values[i] = value
-
-        async def run() -> None:
-            groups = await self._by_node(names)
-            await asyncio.gather(*(fetch(indices) for indices in groups))
+        def run() -> Awaitable[None]:
+            return self._per_shard(names, lambda pipe, i: pipe.get(names[i]), values)
 
         ok, _ = await self._bounded("get", run)
         if not ok:
@@ -401,15 +409,11 @@ class RedisTier:
         part_names = [self._part_name(key, nonce, i) for i in range(count)]
         view = memoryview(blob.data)
 
-        async def write_group(indices: list[int]) -> None:
-            pipe = self._client.pipeline(transaction=False)
-            for i in indices:
-                pipe.set(part_names[i], bytes(view[i * split : (i + 1) * split]), ex=ttl)
-            await pipe.execute()
+        def write_part(pipe: Any, i: int) -> Any:
+            return pipe.set(part_names[i], bytes(view[i * split : (i + 1) * split]), ex=ttl)
 
         async def write() -> Any:
-            groups = await self._by_node(part_names)
-            await asyncio.gather(*(write_group(indices) for indices in groups))
+            await self._per_shard(part_names, write_part)
             head = encode_head(blob, count, replace, nonce)
             if replace:
                 return await self._client.set(name, head, ex=ttl, get=True)
@@ -420,15 +424,7 @@ class RedisTier:
         return await self._bounded("put", write)
 
     async def _delete_names(self, names: list[bytes]) -> None:
-        groups = await self._by_node(names)
-
-        async def delete_group(indices: list[int]) -> None:
-            pipe = self._client.pipeline(transaction=False)
-            for i in indices:
-                pipe.delete(names[i])
-            await pipe.execute()
-
-        await asyncio.gather(*(delete_group(indices) for indices in groups))
+        await self._per_shard(names, lambda pipe, i: pipe.delete(names[i]))
 
     async def _delete_old_parts(self, key: bytes, old_head: bytes) -> None:
         try:
