@@ -335,3 +335,29 @@ def test_tokens_cut_anywhere_in_the_bytes(
     assert tok.decode(ids) == text
     check_stream(tok, ids)
     check_stream(tok, ids, sizes)
+
+
+def decode_stream_text(tok: Tokenizer, ids: Sequence[int]) -> list[str | None]:
+    """What ``tokenizers.decoders.DecodeStream`` gives for ``ids``, token by token."""
+    ds = decoders.DecodeStream(skip_special_tokens=True)
+    return [ds.step(tok, i) for i in ids]
+
+
+def test_decode_stream_holds_unfinished_runs() -> None:
+    # Why the engine keeps its own detokenizer (docs/design.md, "Engine
+    # modules"): the library's DecodeStream gives the same text on ordinary
+    # output, but a run of tokens none of which ends a character comes out of
+    # it only when the run ends, each step decoding the whole run so far;
+    # ours streams each character as its last byte arrives.
+    tok = byte_level_bpe()
+    ids = tok.encode(CORPUS[0] + " " + CORPUS[2]).ids
+    assert "".join(c for c in decode_stream_text(tok, ids) if c) == "".join(
+        stream(IncrementalDetokenizer(tok), ids)
+    )
+    text = "東京大学日本語の首都" * 3
+    tok, ids = straddling_byte_level(text, range(1, 3 * len(text), 3))
+    held = decode_stream_text(tok, ids)
+    assert held[:-1] == [None] * (len(ids) - 1) and held[-1] == text  # all at the very end
+    detok = IncrementalDetokenizer(tok)
+    chunks = [detok.add([i]) for i in ids]
+    assert chunks[:4] == ["", "東", "京", "大"] and "".join(chunks) == text
