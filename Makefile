@@ -125,8 +125,9 @@ $(BENCH_STAMP): $(STAMP)
 	@touch $(BENCH_STAMP)
 
 # Benchmarks against onnxruntime-genai on the same model directory, one run;
-# JSON under bench/results/, a table appended to docs/benchmarks.md.
-bench: setup $(BENCH_STAMP)
+# JSON under bench/results/, a table appended to docs/benchmarks.md. system-deps: the
+# fleet section starts a Redis Cluster.
+bench: setup system-deps $(BENCH_STAMP)
 	$(PY) -m bench.run $(ARGS)
 
 # A bounded soak (loopback, fixed duration): kvstore + server, mixed unary/stream/

@@ -403,6 +403,8 @@ def markdown(r: Results) -> str:
             f"other work took > {meta.get('noisy_threshold_cores')} cores meanwhile; "
             f"{len(noisy)} rep(s) stayed that disturbed (`meta.noisy_measurements`)."
         )
+    for name, error in (meta.get("failed_sections") or {}).items():
+        lines.append(f"- **Section `{name}` failed and was not measured**: {error}")
     lines.append("")
     tg = r.get("targets") or []
     issue14 = [t for t in tg if t.get("issue14")] if _issue14_run(r) else []

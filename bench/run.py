@@ -24,7 +24,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -221,6 +221,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Wall time and CPU per phase, and the CPU other work took meanwhile.
     phases: dict[str, dict] = {}
     ledger = CpuLedger()
+    failed: dict[str, str] = {}
+
+    def run_section(name: str, measure: Callable[[], dict]) -> None:
+        """One section: its result, or (when it raises) the error in
+        ``meta.failed_sections`` and the run goes on, so one section that
+        cannot run (a missing tool, a crash) costs only its own numbers."""
+        try:
+            results[name] = measure()
+        except Exception as exc:
+            log.exception("section failed", section=name)
+            failed[name] = f"{type(exc).__name__}: {exc}"
+        phases[name] = ledger.lap()
+        log.info("section done", section=name, **phases[name])
+
     try:
         results["cold_start"] = bench.warmup()
         phases["warmup"] = ledger.lap()
@@ -232,51 +246,52 @@ def main(argv: Sequence[str] | None = None) -> int:
                     results[section] = {"skipped": "no --llama-server binary given"}
                     continue
                 gguf = args.gguf or str(default_gguf().path)
-                results[section] = bench.llama_server(args.llama_server, gguf)
+                run_section(section, lambda g=gguf: bench.llama_server(args.llama_server, g))
             else:
-                results[section] = getattr(bench, section)()
-            phases[section] = ledger.lap()
-            log.info("section done", section=section, **phases[section])
+                run_section(section, getattr(bench, section))
     finally:
         results["rss"] = bench.close()
     if "sampler" in sections:
-        results["sampler"] = sampler_section()
-        phases["sampler"] = ledger.lap()
+        run_section("sampler", sampler_section)
     if "step_profile" in sections:
         from . import step_profile  # in-process engines of their own, like the kvstore's
 
-        results["step_profile"] = step_profile.summary(str(model_dir), threads=args.threads)
-        phases["step_profile"] = ledger.lap()
+        run_section(
+            "step_profile", lambda: step_profile.summary(str(model_dir), threads=args.threads)
+        )
     if "constrained" in sections:
         from . import constrained_bench
 
-        results["constrained"] = constrained_bench.measure(
-            str(model_dir),
-            reps=plan.reps,
-            threads=args.threads,
-            new_tokens=64 if args.quick else 128,
+        run_section(
+            "constrained",
+            lambda: constrained_bench.measure(
+                str(model_dir),
+                reps=plan.reps,
+                threads=args.threads,
+                new_tokens=64 if args.quick else 128,
+            ),
         )
-        phases["constrained"] = ledger.lap()
     if "kvstore" in sections:
         # After the other engines are gone: it starts engines of its own.
-        results["kvstore"] = kvstore_section(str(model_dir), plan.reps, args.threads)
-        phases["kvstore"] = ledger.lap()
+        run_section("kvstore", lambda: kvstore_section(str(model_dir), plan.reps, args.threads))
     if "fleet" in sections:
         from . import fleet  # servers, sidecars and a Redis Cluster of its own
 
-        results["fleet"] = fleet.measure(str(model_dir), threads=args.threads)
-        phases["fleet"] = ledger.lap()
+        run_section("fleet", lambda: fleet.measure(str(model_dir), threads=args.threads))
     if "http" in sections:
         from . import http_bench  # a server of its own, with --http-port
 
-        results["http"] = http_bench.measure(
-            str(model_dir),
-            reps=plan.reps,
-            threads=args.threads,
-            new_tokens=64 if args.quick else 256,
+        run_section(
+            "http",
+            lambda: http_bench.measure(
+                str(model_dir),
+                reps=plan.reps,
+                threads=args.threads,
+                new_tokens=64 if args.quick else 256,
+            ),
         )
-        phases["http"] = ledger.lap()
     results["meta"]["phases"] = phases
+    results["meta"]["failed_sections"] = failed
     results["meta"]["elapsed_s"] = time.perf_counter() - started
     results["meta"]["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     results["meta"]["notes"] = bench.notes
@@ -296,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         DOC.write_text(existing.rstrip("\n") + "\n\n" + section_md)
     print(section_md)
     print(f"JSON: {out}" + (f"; appended to {DOC}" if write_doc else ""))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -156,6 +156,17 @@ def test_markdown_has_the_sampled_rows_the_cpu_table_and_the_skipped_sections() 
     assert "### Other targets (issues 4 and 6)" in md
 
 
+def test_a_failed_section_is_named_and_the_rest_is_reported() -> None:
+    # bench.run keeps going past a section that raises (a missing redis-server
+    # once cost a 45-minute run all its numbers) and records why.
+    r = results()
+    r["meta"]["failed_sections"] = {"fleet": "FileNotFoundError: 'redis-server'"}
+    r["targets"] = report.targets(r)
+    md = report.markdown(r)
+    assert "**Section `fleet` failed and was not measured**: FileNotFoundError" in md
+    assert "### CPU per generated token (ms)" in md
+
+
 def test_markdown_of_a_run_before_issue14_keeps_one_targets_table() -> None:
     r = results(issue14=False)
     r["targets"] = report.targets(r)
