@@ -8,13 +8,14 @@ submitted; TTFT is the arrival of the first token; decode tok/s is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from genai_client import AsyncClient, Client
@@ -59,22 +60,20 @@ class InProcessEngine:
         submit = time.perf_counter()
         self.engine.add_request(request)
         done = False
-        while not done:
-            outputs = self.engine.step()
-            now = time.perf_counter()
-            for out in outputs:
-                if out.request_id != request.request_id:
-                    continue
-                if out.error is not None:
-                    raise out.error
-                if out.token_ids:
-                    times.append(now)
-                    counts.append(len(out.token_ids))
-                    tokens.extend(out.token_ids)
-                done = done or out.finished
-        # Sessions-free requests leave nothing behind but a commit-free retire.
-        while self.engine.has_unfinished():
-            self.engine.step()
+        with self._settled([request.request_id]):
+            while not done:
+                outputs = self.engine.step()
+                now = time.perf_counter()
+                for out in outputs:
+                    if out.request_id != request.request_id:
+                        continue
+                    if out.error is not None:
+                        raise out.error
+                    if out.token_ids:
+                        times.append(now)
+                        counts.append(len(out.token_ids))
+                        tokens.extend(out.token_ids)
+                    done = done or out.finished
         stats = stream_stats(submit, times, counts)
         stats["token_ids"] = tokens[:32]
         return stats
@@ -94,24 +93,39 @@ class InProcessEngine:
         submit = time.perf_counter()
         for request in requests:
             self.engine.add_request(request)
-        while open_ids:
-            outputs = self.engine.step()
-            now = time.perf_counter()
-            for out in outputs:
-                s = streams.get(out.request_id)
-                if s is None:
-                    continue
-                if out.error is not None:
-                    raise out.error
-                if out.token_ids:
-                    s["first"] = s["first"] or now
-                    s["last"] = now
-                    s["tokens"] += len(out.token_ids)
-                if out.finished:
-                    open_ids.discard(out.request_id)
-        while self.engine.has_unfinished():
-            self.engine.step()
+        with self._settled(list(open_ids)):
+            while open_ids:
+                outputs = self.engine.step()
+                now = time.perf_counter()
+                for out in outputs:
+                    s = streams.get(out.request_id)
+                    if s is None:
+                        continue
+                    if out.error is not None:
+                        raise out.error
+                    if out.token_ids:
+                        s["first"] = s["first"] or now
+                        s["last"] = now
+                        s["tokens"] += len(out.token_ids)
+                    if out.finished:
+                        open_ids.discard(out.request_id)
         return {"submit": submit, "streams": list(streams.values())}
+
+    @contextlib.contextmanager
+    def _settled(self, request_ids: Sequence[str]) -> Iterator[None]:
+        """Leave the engine idle afterwards: on an error the requests still
+        running are aborted (bench.run goes on to the next section, which must
+        not share the engine with them); then it steps until nothing is left
+        (session-free requests leave nothing but a commit-free retire)."""
+        try:
+            yield
+        except BaseException:
+            for rid in request_ids:
+                self.engine.abort(rid)
+            raise
+        finally:
+            while self.engine.has_unfinished():
+                self.engine.step()
 
 
 class ServerProcess:

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -223,6 +224,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ledger = CpuLedger()
     failed: dict[str, str] = {}
 
+    def own(module: str) -> Any:
+        return importlib.import_module(f"{__package__}.{module}")
+
     def run_section(name: str, measure: Callable[[], dict]) -> None:
         """One section: its result, or (when it raises) the error in
         ``meta.failed_sections`` and the run goes on, so one section that
@@ -245,26 +249,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if not args.llama_server:
                     results[section] = {"skipped": "no --llama-server binary given"}
                     continue
-                gguf = args.gguf or str(default_gguf().path)
-                run_section(section, lambda g=gguf: bench.llama_server(args.llama_server, g))
+                run_section(
+                    section,
+                    lambda: bench.llama_server(
+                        args.llama_server, args.gguf or str(default_gguf().path)
+                    ),
+                )
             else:
                 run_section(section, getattr(bench, section))
     finally:
         results["rss"] = bench.close()
     if "sampler" in sections:
         run_section("sampler", sampler_section)
+    # Each section's module is imported inside its measurement, so that an import
+    # failure is that section's failure too.
     if "step_profile" in sections:
-        from . import step_profile  # in-process engines of their own, like the kvstore's
-
+        # In-process engines of their own, like the kvstore's.
         run_section(
-            "step_profile", lambda: step_profile.summary(str(model_dir), threads=args.threads)
+            "step_profile",
+            lambda: own("step_profile").summary(str(model_dir), threads=args.threads),
         )
     if "constrained" in sections:
-        from . import constrained_bench
-
         run_section(
             "constrained",
-            lambda: constrained_bench.measure(
+            lambda: own("constrained_bench").measure(
                 str(model_dir),
                 reps=plan.reps,
                 threads=args.threads,
@@ -275,15 +283,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # After the other engines are gone: it starts engines of its own.
         run_section("kvstore", lambda: kvstore_section(str(model_dir), plan.reps, args.threads))
     if "fleet" in sections:
-        from . import fleet  # servers, sidecars and a Redis Cluster of its own
-
-        run_section("fleet", lambda: fleet.measure(str(model_dir), threads=args.threads))
+        # Servers, sidecars and a Redis Cluster of its own.
+        run_section("fleet", lambda: own("fleet").measure(str(model_dir), threads=args.threads))
     if "http" in sections:
-        from . import http_bench  # a server of its own, with --http-port
-
+        # A server of its own, with --http-port.
         run_section(
             "http",
-            lambda: http_bench.measure(
+            lambda: own("http_bench").measure(
                 str(model_dir),
                 reps=plan.reps,
                 threads=args.threads,
