@@ -172,6 +172,17 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def run_one(results: dict, failed: dict[str, str], name: str, measure: Callable[[], dict]) -> None:
+    """One section: its result in ``results``, or (when it raises) the error in
+    ``failed`` (``meta.failed_sections``) and the run goes on, so a section that
+    cannot run (a missing tool, a crash) costs only its own numbers."""
+    try:
+        results[name] = measure()
+    except Exception as exc:
+        log.exception("section failed", section=name)
+        failed[name] = f"{type(exc).__name__}: {exc}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     configure_logging("console")
@@ -228,14 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return importlib.import_module(f"{__package__}.{module}")
 
     def run_section(name: str, measure: Callable[[], dict]) -> None:
-        """One section: its result, or (when it raises) the error in
-        ``meta.failed_sections`` and the run goes on, so one section that
-        cannot run (a missing tool, a crash) costs only its own numbers."""
-        try:
-            results[name] = measure()
-        except Exception as exc:
-            log.exception("section failed", section=name)
-            failed[name] = f"{type(exc).__name__}: {exc}"
+        run_one(results, failed, name, measure)
         phases[name] = ledger.lap()
         log.info("section done", section=name, **phases[name])
 

@@ -167,6 +167,21 @@ def test_a_failed_section_is_named_and_the_rest_is_reported() -> None:
     assert "### CPU per generated token (ms)" in md
 
 
+def test_a_section_that_raises_is_recorded_and_the_next_one_runs() -> None:
+    from bench.run import run_one
+
+    results: dict = {}
+    failed: dict[str, str] = {}
+
+    def broken() -> dict:
+        raise FileNotFoundError("redis-server")
+
+    run_one(results, failed, "fleet", broken)
+    run_one(results, failed, "http", lambda: {"ok": 1})
+    assert failed == {"fleet": "FileNotFoundError: redis-server"}
+    assert results == {"http": {"ok": 1}}
+
+
 def test_markdown_of_a_run_before_issue14_keeps_one_targets_table() -> None:
     r = results(issue14=False)
     r["targets"] = report.targets(r)
