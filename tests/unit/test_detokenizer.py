@@ -344,11 +344,11 @@ def decode_stream_text(tok: Tokenizer, ids: Sequence[int]) -> list[str | None]:
 
 
 def test_decode_stream_holds_unfinished_runs() -> None:
-    # Why the engine keeps its own detokenizer (docs/design.md, "Engine
-    # modules"): the library's DecodeStream gives the same text on ordinary
-    # output, but a run of tokens none of which ends a character comes out of
-    # it only when the run ends, each step decoding the whole run so far;
-    # ours streams each character as its last byte arrives.
+    # Why the engine keeps its own detokenizer:
+    # docs/design.md, "Engine modules". The library's DecodeStream gives the
+    # same text on ordinary output, but a run of tokens none of which ends a
+    # character comes out of it only when the run ends, each step decoding the
+    # whole run so far; ours streams each character as its last byte arrives.
     tok = byte_level_bpe()
     ids = tok.encode(CORPUS[0] + " " + CORPUS[2]).ids
     assert "".join(c for c in decode_stream_text(tok, ids) if c) == "".join(
