@@ -238,6 +238,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     def own(module: str) -> Any:
         return importlib.import_module(f"{__package__}.{module}")
 
+    def timed_streams(module: str, new_tokens: int) -> Callable[[], dict]:
+        """The measurement of a module whose ``measure`` streams ``new_tokens``
+        (64 with --quick) per request, ``plan.reps`` times."""
+        return lambda: own(module).measure(
+            str(model_dir),
+            reps=plan.reps,
+            threads=args.threads,
+            new_tokens=64 if args.quick else new_tokens,
+        )
+
     def run_section(name: str, measure: Callable[[], dict]) -> None:
         run_one(results, failed, name, measure)
         phases[name] = ledger.lap()
@@ -274,15 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             lambda: own("step_profile").summary(str(model_dir), threads=args.threads),
         )
     if "constrained" in sections:
-        run_section(
-            "constrained",
-            lambda: own("constrained_bench").measure(
-                str(model_dir),
-                reps=plan.reps,
-                threads=args.threads,
-                new_tokens=64 if args.quick else 128,
-            ),
-        )
+        run_section("constrained", timed_streams("constrained_bench", 128))
     if "kvstore" in sections:
         # After the other engines are gone: it starts engines of its own.
         run_section("kvstore", lambda: kvstore_section(str(model_dir), plan.reps, args.threads))
@@ -291,15 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_section("fleet", lambda: own("fleet").measure(str(model_dir), threads=args.threads))
     if "http" in sections:
         # A server of its own, with --http-port.
-        run_section(
-            "http",
-            lambda: own("http_bench").measure(
-                str(model_dir),
-                reps=plan.reps,
-                threads=args.threads,
-                new_tokens=64 if args.quick else 256,
-            ),
-        )
+        run_section("http", timed_streams("http_bench", 256))
     results["meta"]["phases"] = phases
     results["meta"]["failed_sections"] = failed
     results["meta"]["elapsed_s"] = time.perf_counter() - started
