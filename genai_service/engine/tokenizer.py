@@ -19,6 +19,7 @@ import jinja2.meta
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from genai_common import bounded_json
 from genai_common.errors import InvalidArgument, ModelLoadError
 from genai_service.engine.model_config import (
     TOKENIZER_CONFIG_FILE,
@@ -231,7 +232,7 @@ def _with_tool_preamble(
 def tool_call_text(name: str, arguments: Any) -> str:
     """A call in the preamble's syntax (``arguments``: a mapping or JSON text)."""
     if isinstance(arguments, str):
-        arguments = json.loads(arguments) if arguments.strip() else {}
+        arguments = bounded_json.loads(arguments, "arguments") if arguments.strip() else {}
     body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
     return f"{TOOL_CALL_OPEN}\n{body}\n{TOOL_CALL_CLOSE}"
 

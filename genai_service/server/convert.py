@@ -8,6 +8,7 @@ from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from genai_common import bounded_json
 from genai_common.errors import InvalidArgument
 from genai_proto.genai.v1 import common_pb2, generate_pb2, model_pb2, session_pb2
 
@@ -69,12 +70,7 @@ def messages_to_dicts(messages: common_pb2.Messages) -> list[dict[str, Any]]:
 def _arguments(i: int, j: int, call: common_pb2.ToolCall) -> Any:
     if not call.arguments_json.strip():
         return {}
-    try:
-        return json.loads(call.arguments_json)
-    except ValueError as e:
-        raise InvalidArgument(
-            f"messages[{i}].tool_calls[{j}].arguments_json: not valid JSON: {e}"
-        ) from e
+    return bounded_json.loads(call.arguments_json, f"messages[{i}].tool_calls[{j}].arguments_json")
 
 
 def _messages_size(messages: common_pb2.Messages) -> int:
