@@ -12,7 +12,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import tokenizers
-from tokenizers.models import WordLevel
+from tokenizers import decoders, pre_tokenizers
+from tokenizers.models import BPE, WordLevel
 
 from genai_service.engine.request import GenerationRequest, Priority
 from genai_service.engine.sequence import Sequence, new_sequence
@@ -26,6 +27,33 @@ def tiny_tokenizer() -> tokenizers.Tokenizer:
     """A word-level tokenizer that knows no words: every id decodes to nothing
     it could mistake for a stop string, which is all the text stage needs here."""
     return tokenizers.Tokenizer(WordLevel(vocab={"<unk>": 0}, unk_token="<unk>"))
+
+
+BYTES_EOS_ID = 256  # bytes_tokenizer's one special token
+
+
+@functools.cache
+def bytes_tokenizer() -> tokenizers.Tokenizer:
+    """One token per byte (ids 0..255, byte-level alphabet) and ``<eos>``
+    (256): what llguidance needs to match constraints byte by byte, without
+    the tiny models' module (which imports ONNX Runtime)."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_chars = sorted(alphabet, key=lambda c: _byte_of(c))
+    vocab = {c: i for i, c in enumerate(byte_chars)}
+    tok = tokenizers.Tokenizer(BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<eos>"])
+    return tok
+
+
+def _byte_of(char: str) -> int:
+    """The byte GPT-2's byte-level alphabet writes as ``char``."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    if ord(char) in printable:
+        return ord(char)
+    others = [b for b in range(256) if b not in printable]
+    return others[ord(char) - 256]
 
 
 def make_request(

@@ -11,15 +11,29 @@ nothing more) ends the request.
 
 ``Guidance`` is the per-model part, built once at engine start: the
 ``LLTokenizer`` (the model's tokenizer.json, its logits width and EOS ids), a
-bounded cache of compiled grammars keyed by (kind, text) holding a pristine
-matcher that each request copies (``deep_copy`` is microseconds, a compile
-milliseconds), and an ``LLExecutor`` that fills a batch's masks with the GIL
-released, so the engine can compute them while ONNX Runtime runs the step.
+bounded cache of compiled grammars keyed by a digest of the constraint holding
+a pristine matcher that each request copies (``deep_copy`` is microseconds, a
+compile milliseconds to a second), a compiler thread with a large stack
+(llguidance compiles recursively, one stack frame per link of a chain of rules
+or ``$ref``s; it releases the GIL, so the engine keeps stepping meanwhile), and
+an ``LLExecutor`` that fills a batch's masks with the GIL released, so the
+engine can compute them while ONNX Runtime runs the step.
+
+Before a request reaches the engine the frontend has the same compile and a
+few matching steps done by the constraint checker's process
+(``constraint_check``), with a smaller stack and a time bound: what passes it
+cannot crash the engine's compiler, and what would have failed at the first
+tokens (llguidance's limits on lexer states, Earley items, forced tokens) is
+``INVALID_ARGUMENT`` before any work. A limit still reached later while
+matching ends only that request, ``INVALID_ARGUMENT`` (docs/design.md,
+"Structured output").
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,8 +46,10 @@ import tokenizers
 from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 from llguidance.numpy import fill_next_token_bitmask_par
 
-from genai_common.errors import Internal, InvalidArgument
+from genai_common import bounded_json
+from genai_common.errors import InvalidArgument
 
+from . import constraint_limits
 from .request import Constraint
 
 if TYPE_CHECKING:
@@ -44,6 +60,11 @@ log = structlog.get_logger(__name__)
 KINDS = ("json_schema", "regex", "grammar", "choice", "json_object")
 # Compiled grammars kept (each one pristine matcher, typically tens of KiB).
 GRAMMAR_CACHE_ENTRIES = 64
+# The engine's compiler thread's stack. llguidance needs about 3 KiB per link
+# of a chain of rules (a 3,000-rule chain overflows the 8 MiB main thread); the
+# checker compiles with a stack 8x smaller (constraint_check.CHECK_STACK_BYTES),
+# so whatever it passed compiles here. Only touched pages are ever allocated.
+COMPILE_STACK_BYTES = 512 * 1024 * 1024
 # JSON output may put whitespace between tokens, at most this much per run: a
 # small model sampling freely otherwise wanders into endless newlines before
 # the next key. A schema's own "x-guidance" options take precedence.
@@ -66,19 +87,24 @@ def constraint_size(constraint: Constraint) -> int:
     return len(constraint.value.encode()) + sum(len(c.encode()) for c in constraint.choices)
 
 
-def validate_shape(constraint: Constraint, max_bytes: int) -> None:
-    """What can be checked without compiling: kind, size, choices."""
+def validate_shape(constraint: Constraint, max_bytes: int, field: str = "") -> None:
+    """What can be checked without compiling: kind, size, choices; messages
+    name ``field`` (default ``constraint.<kind>``)."""
     kind = constraint.kind
-    field = f"constraint.{kind}"
+    field = field or f"constraint.{kind}"
     if kind not in KINDS:
         raise InvalidArgument(f"constraint: unknown kind {kind!r}; allowed {', '.join(KINDS)}")
     size = constraint_size(constraint)
     if size > max_bytes:
         raise InvalidArgument(f"{field}: {size} bytes; allowed at most {max_bytes}")
     if kind == "choice":
-        if len(constraint.choices) < 2:
+        count = len(constraint.choices)
+        if count < 2:
+            raise InvalidArgument(f"constraint.choice.choices: {count} given; give at least 2")
+        if count > constraint_limits.MAX_CHOICES:
             raise InvalidArgument(
-                f"constraint.choice.choices: {len(constraint.choices)} given; give at least 2"
+                f"constraint.choice.choices: {count} given; allowed at most "
+                f"{constraint_limits.MAX_CHOICES}"
             )
         for i, choice in enumerate(constraint.choices):
             if not choice:
@@ -87,24 +113,33 @@ def validate_shape(constraint: Constraint, max_bytes: int) -> None:
         raise InvalidArgument(f"{field}: must not be empty")
 
 
-def grammar_text(constraint: Constraint) -> str:
+def constraint_digest(constraint: Constraint) -> bytes:
+    """A key for ``constraint`` (caches hold this, not the whole text)."""
+    h = hashlib.blake2b(digest_size=16)
+    for part in (constraint.kind, constraint.value, *constraint.choices):
+        data = part.encode("utf-8", "surrogatepass")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.digest()
+
+
+def grammar_text(constraint: Constraint, field: str = "") -> str:
     """The llguidance grammar (its JSON form) for a well-shaped constraint;
-    ``InvalidArgument`` for text that does not even parse (e.g. a schema that
-    is not JSON, a GBNF syntax error)."""
+    ``InvalidArgument`` naming ``field`` (default ``constraint.<kind>``) for
+    text that does not even parse (e.g. a schema that is not JSON, a GBNF
+    syntax error) or passes a shape limit (``constraint_limits``)."""
     kind, value = constraint.kind, constraint.value
-    field = f"constraint.{kind}"
+    field = field or f"constraint.{kind}"
     matcher = llguidance.LLMatcher
     if kind == "json_schema":
-        try:
-            schema = json.loads(value)
-        except ValueError as e:
-            raise InvalidArgument(f"{field}: not valid JSON: {e}") from e
+        schema = bounded_json.loads(value, field)
         if schema is False:
             raise InvalidArgument(f"{field}: false matches no JSON value")
         if schema is True:
             schema, value = {}, "{}"  # any JSON value
         if not isinstance(schema, dict):
             raise InvalidArgument(f"{field}: a JSON Schema is an object or a boolean")
+        constraint_limits.check_schema(field, schema)
         options = schema.get("x-guidance")
         if isinstance(options, dict) and any(k.startswith("whitespace") for k in options):
             return matcher.grammar_from_json_schema(value)  # the schema says how
@@ -112,22 +147,66 @@ def grammar_text(constraint: Constraint) -> str:
     if kind == "json_object":
         return matcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_DEFAULTS)  # type: ignore[arg-type]
     if kind == "regex":
+        constraint_limits.check_regex(field, value)
         return matcher.grammar_from_regex(value)
     if kind == "choice":
-        # JSON string literals are Lark string literals, escapes included.
-        return matcher.grammar_from_lark(
-            "start: " + " | ".join(json.dumps(c) for c in constraint.choices)
-        )
+        # One lexeme (an upper-case Lark terminal) whose alternatives are the
+        # choices: the lexer matches them as one automaton, however many there
+        # are. As parser alternatives (`start: "a" | "b"`), every choice is an
+        # Earley item of the first row: past 2,000 of them llguidance's row
+        # limit fails the request at its first token. JSON string literals are
+        # Lark string literals, escapes included.
+        alternatives = " | ".join(json.dumps(c) for c in constraint.choices)
+        return matcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {alternatives}")
+    constraint_limits.check_grammar(field, value)
     try:
         return matcher.grammar_from_lark(any_to_lark(value))  # GBNF is converted
     except GbnfToLarkError as e:
         raise InvalidArgument(f"{field}: not a valid GBNF grammar: {_short(str(e))}") from e
 
 
+def _big_stack_executor(stack_bytes: int, name: str) -> ThreadPoolExecutor:
+    """A one-thread executor whose thread has a ``stack_bytes`` stack (the
+    thread is started here, while the process-wide setting is changed)."""
+    with _STACK_LOCK:
+        old = threading.stack_size(stack_bytes)
+        try:
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+            pool.submit(lambda: None).result()
+        finally:
+            threading.stack_size(old)
+    return pool
+
+
+_STACK_LOCK = threading.Lock()
+# llguidance's limits, its defaults but two: an Earley row may hold 10,000
+# items (2,000 by default: an object schema of ~500 optional properties, or a
+# few hundred grammar alternatives, failed at its first token; the work of one
+# mask stays bounded by ``step_max_items``, 50,000), and errors leave out the
+# parser's state and the whole grammar (which would echo one tenant's schema
+# into logs and error messages).
+MAX_ITEMS_IN_ROW = 10_000
+PARSER_LIMITS = llguidance.LLParserLimits(max_items_in_row=MAX_ITEMS_IN_ROW, verbose_errors=False)
+# Where a matcher fails, in the words a client can act on: llguidance's
+# "NoExtensionBias" is a grammar that cannot produce its next byte (a $ref
+# cycle that never reaches a value, say).
+_HINTS = {"NoExtensionBias": "the grammar allows no text at all (e.g. a $ref cycle)"}
+
+
+def matcher_error(field: str, error: str, at: int | None = None) -> InvalidArgument:
+    """The error of a matcher that failed: INVALID_ARGUMENT naming ``field``
+    (a constraint the client sent is what broke one of llguidance's limits)."""
+    where = f" at generated token {at}" if at is not None else ""
+    # llguidance appends its state and the whole grammar after the first line.
+    first = error.strip().split("\n", 1)[0].strip()
+    text = _HINTS.get(first, _short(first))
+    return InvalidArgument(f"{field}: llguidance stopped matching it{where}: {text}")
+
+
 class Guidance:
     """llguidance for one model: compile, validate and cache grammars, hand
-    out matchers, fill masks. Used only on the engine's thread, except the
-    mask filling it starts on its own worker."""
+    out matchers, fill masks. Used on the engine's thread; compiles run on
+    the compiler thread, mask filling on its own worker."""
 
     def __init__(
         self,
@@ -137,6 +216,7 @@ class Guidance:
         *,
         max_constraint_bytes: int,
         cache_entries: int = GRAMMAR_CACHE_ENTRIES,
+        compile_stack_bytes: int = COMPILE_STACK_BYTES,
     ) -> None:
         # vocab_size is the logits width: ids the tokenizer lacks are never allowed.
         # A tokenizer llguidance cannot read (e.g. WordLevel without a decoder:
@@ -151,48 +231,99 @@ class Guidance:
             self.unsupported = str(e)
             log.warning("structured_output_unavailable", reason=self.unsupported)
         self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.max_constraint_bytes = max_constraint_bytes
         self._cache_entries = cache_entries
-        self._compiled: OrderedDict[tuple[str, str, tuple[str, ...]], llguidance.LLMatcher] = (
-            OrderedDict()
-        )
+        self._compiled: OrderedDict[bytes, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()  # the cache: the compiler thread fills it
+        self._compiler = _big_stack_executor(compile_stack_bytes, "guidance-compile")
         self._executor = llguidance.LLExecutor(num_threads=1)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="guidance")
         self.counters = {"grammars_compiled": 0, "grammar_cache_hits": 0}
 
-    def matcher(self, constraint: Constraint) -> llguidance.LLMatcher:
-        """A fresh matcher for ``constraint``; ``InvalidArgument`` with the
-        parser's message if it is invalid or over the limits."""
-        key = (constraint.kind, constraint.value, constraint.choices)
-        template = self._compiled.get(key)
+    def compile(self, constraint: Constraint, field: str = "") -> Future[llguidance.LLMatcher]:
+        """The pristine matcher of ``constraint``, compiled on the compiler
+        thread (the engine steps meanwhile: llguidance releases the GIL) or
+        taken from the cache (then the future is done already). Its error is
+        ``InvalidArgument`` with the parser's message, naming ``field``
+        (default ``constraint.<kind>``). Give each request ``take(future)``."""
+        key = constraint_digest(constraint)
+        with self._lock:
+            template = self._compiled.get(key)
+            if template is not None:
+                self._compiled.move_to_end(key)
+                self.counters["grammar_cache_hits"] += 1
         if template is not None:
-            self._compiled.move_to_end(key)
-            self.counters["grammar_cache_hits"] += 1
-            return template.deep_copy()
-        validate_shape(constraint, self.max_constraint_bytes)
+            done: Future[llguidance.LLMatcher] = Future()
+            done.set_result(template)
+            return done
+        # What needs no compiling is refused at once, on the caller's thread.
+        validate_shape(constraint, self.max_constraint_bytes, field)
         if self.tokenizer is None:
             raise InvalidArgument(
                 f"constraint: this model's tokenizer cannot be used for structured output "
                 f"(llguidance: {self.unsupported})"
             )
-        field = f"constraint.{constraint.kind}"
+        return self._compiler.submit(self._compile, key, constraint, field)
+
+    @staticmethod
+    def take(compiled: Future[llguidance.LLMatcher]) -> llguidance.LLMatcher:
+        """A request's own matcher from a finished ``compile``; raises its error."""
+        return compiled.result().deep_copy()
+
+    def matcher(self, constraint: Constraint, field: str = "") -> llguidance.LLMatcher:
+        """A fresh matcher for ``constraint``, waiting for its compile;
+        ``InvalidArgument`` with the parser's message if it is invalid or over
+        the limits."""
+        return self.take(self.compile(constraint, field))
+
+    def _compile(self, key: bytes, constraint: Constraint, field: str) -> llguidance.LLMatcher:
+        assert self.tokenizer is not None  # compile() refuses the request otherwise
+        with self._lock:
+            template = self._compiled.get(key)  # compiled meanwhile for another request
+        if template is not None:
+            return template
+        field = field or f"constraint.{constraint.kind}"
         try:
-            grammar = grammar_text(constraint)
+            grammar = grammar_text(constraint, field)
         except ValueError as e:  # llguidance refusing the text before compiling it
             raise InvalidArgument(f"{field}: {_short(str(e))}") from e
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            grammar, self.tokenizer
+            grammar, self.tokenizer, limits=PARSER_LIMITS
         )
         if is_error:
             raise InvalidArgument(f"{field}: {_short(messages[0])}")
-        template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=PARSER_LIMITS)
         if template.is_error():
             raise InvalidArgument(f"{field}: {_short(template.get_error())}")
-        self.counters["grammars_compiled"] += 1
-        self._compiled[key] = template
-        while len(self._compiled) > self._cache_entries:
-            self._compiled.popitem(last=False)
-        return template.deep_copy()
+        with self._lock:
+            self.counters["grammars_compiled"] += 1
+            self._compiled[key] = template
+            while len(self._compiled) > self._cache_entries:
+                self._compiled.popitem(last=False)
+        return template
+
+    def check(self, constraint: Constraint, field: str = "", steps: int = 4) -> None:
+        """Compile ``constraint`` and match its first ``steps`` tokens (each
+        time the lowest allowed id other than EOS), as the engine would: a
+        matcher that fails this early (llguidance's limits on lexer states,
+        Earley items per row, forced tokens) is ``InvalidArgument`` here, before
+        the request is admitted. What the constraint checker's process runs."""
+        field = field or f"constraint.{constraint.kind}"
+        matcher = self.matcher(constraint, field)
+        eos = self.eos_token_ids
+        for step in range(steps):
+            if matcher.is_stopped():
+                return
+            allowed = np.flatnonzero(self.masks([matcher])[0])
+            if matcher.is_error():
+                raise matcher_error(field, matcher.get_error(), step)
+            if not allowed.size:
+                raise matcher_error(field, "no token is allowed", step)
+            others = [int(t) for t in allowed[:2] if int(t) not in eos]
+            token = others[0] if others else int(allowed[0])
+            if not matcher.consume_token(token) or matcher.is_error():
+                raise matcher_error(field, matcher.get_error(), step)
 
     def start_step(self, seqs: Sequence[Seq]) -> Future[dict[int, np.ndarray]] | None:
         """The next-token masks, by seq_id, of the constrained ones of ``seqs``
@@ -210,16 +341,17 @@ class Guidance:
     def consume(seq: Seq, token: int) -> bool:
         """Feed the picked ``token`` to ``seq``'s matcher; True when the
         constraint is now complete and allows nothing more, which ends the
-        request; ``Internal`` when the matcher is in its error state."""
+        request; ``InvalidArgument`` when the matcher is in its error state."""
         matcher = seq.matcher
         if matcher is None:
             return False
-        # A masked pick never fails; a matcher that broke (llguidance's limits,
-        # a bug) fails its own request, never the engine.
+        # A masked pick never fails; a matcher that broke (llguidance's limits
+        # reached past the checker's first steps) fails its own request, never
+        # the engine.
         if not matcher.consume_token(token) or matcher.is_error():
-            raise Internal(
-                f"constraint: the matcher failed at token {token}: {_short(matcher.get_error())}"
-            )
+            kind = seq.request.constraint.kind if seq.request.constraint else ""
+            field = f"constraint.{kind}" if kind else "constraint"
+            raise matcher_error(field, matcher.get_error(), len(seq.output_ids))
         return bool(matcher.is_stopped())
 
     def masks(self, matchers: Sequence[llguidance.LLMatcher]) -> np.ndarray:
@@ -235,3 +367,4 @@ class Guidance:
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
+        self._compiler.shutdown(wait=False, cancel_futures=True)

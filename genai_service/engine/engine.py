@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import structlog
@@ -128,6 +129,8 @@ class LLMEngine(InProcessDriver):
         self._pending: list[RequestOutput] = []  # outputs due at the next step
         # Session turns waiting for their record (``_pending`` is swapped each step).
         self._parked = ParkedRequests(lambda out: self._pending.append(out))
+        # Requests waiting for their constraint to compile (Guidance.compile).
+        self._compiling: list[tuple[Sequence, Future[Any]]] = []
         self.last_step_idle = False  # the last step computed nothing (waiting on I/O)
         self.guidance = Guidance(
             self.tokenizer.inner,
@@ -195,8 +198,21 @@ class LLMEngine(InProcessDriver):
             history_len=len(history),
             limits=self.config.limits,
         )
-        # The turn's own constraint; the history never passes through it.
-        matcher = self.guidance.matcher(request.constraint) if request.constraint else None
+        # The turn's own constraint; the history never passes through it. A
+        # grammar not in the cache compiles on the compiler thread while the
+        # engine steps; its request waits outside the scheduler meanwhile.
+        compiled = self.guidance.compile(request.constraint) if request.constraint else None
+        matcher = None
+        if compiled is not None and compiled.done():
+            matcher = self.guidance.take(compiled)
+        elif compiled is not None:
+            waiting = self.scheduler.num_waiting + len(self._compiling)
+            if waiting >= self.config.scheduler.max_queue:
+                compiled.cancel()
+                raise ResourceExhausted(
+                    f"queue: {waiting} requests waiting, the limit is "
+                    f"{self.config.scheduler.max_queue}; retry later"
+                )
         if session is not None:
             self.sessions.begin_turn(session.session_id, request.request_id)
         try:
@@ -209,14 +225,37 @@ class LLMEngine(InProcessDriver):
                 max_new_tokens=resolve_max_new_tokens(request, self.config.limits),
             )
             seq.matcher = matcher
-            self.scheduler.add(seq)
-            self.kv_reuse.start_prefetch(seq)
+            if compiled is not None and matcher is None:
+                self._compiling.append((seq, compiled))  # admitted by _admit_compiled
+            else:
+                self._schedule(seq)
         except GenAIError:
             if session is not None:
                 self.sessions.end_turn(session)
             raise
         self._requests[request.request_id] = seq
         self.counters["requests_added"] += 1
+
+    def _schedule(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+        self.kv_reuse.start_prefetch(seq)
+
+    def _admit_compiled(self) -> None:
+        """Schedule the requests whose constraint has compiled; fail those
+        whose constraint did not (an aborted one is gone already)."""
+        if not any(compiled.done() for _, compiled in self._compiling):
+            return
+        still: list[tuple[Sequence, Future[Any]]] = []
+        for seq, compiled in self._compiling:
+            if not compiled.done():
+                still.append((seq, compiled))
+            elif seq.status is not SeqStatus.FINISHED:
+                try:
+                    seq.matcher = self.guidance.take(compiled)
+                    self._schedule(seq)
+                except GenAIError as error:
+                    self._fail(seq, error)
+        self._compiling = still
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now; its final output (``CANCELLED``) comes from the next step."""
@@ -232,7 +271,13 @@ class LLMEngine(InProcessDriver):
 
     def has_unfinished(self) -> bool:
         return (
-            bool(self._pending or self._held or self.kv_reuse.finished or self.restores)
+            bool(
+                self._pending
+                or self._held
+                or self.kv_reuse.finished
+                or self.restores
+                or self._compiling
+            )
             or self.scheduler.has_work()
         )
 
@@ -309,6 +354,8 @@ class LLMEngine(InProcessDriver):
         time limit."""
         if self.restores:
             self.restores.poll()
+        if self._compiling:
+            self._admit_compiled()
         outputs, self._pending = self._pending, []
         if self._held is not None:
             outputs.extend(self._held.release())
@@ -481,7 +528,8 @@ class LLMEngine(InProcessDriver):
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for seq in self.scheduler.waiting():
+        compiling = [seq for seq, _ in self._compiling if seq.status is not SeqStatus.FINISHED]
+        for seq in [*self.scheduler.waiting(), *compiling]:
             if seq.deadline is not None and now >= seq.deadline:
                 self._finish(seq, FinishReason.TIME_LIMIT, emit=True, abort=True)
         self.sessions.expire_idle()

@@ -223,13 +223,19 @@ def test_a_constraint_applies_to_its_own_session_turn(bytes_models: dict[str, Pa
     assert t3.session_tokens == history
 
 
-def test_invalid_constraints_are_refused_at_admission(
+def test_invalid_constraints_are_refused_before_any_token(
     bytes_models: dict[str, Path], tiny_model_dir: Path
 ) -> None:
     eng = engine(bytes_models["rope"])
-    with pytest.raises(InvalidArgument, match=r"(?s)^constraint\.regex: .*unclosed group"):
-        eng.add_request(request("bad", Constraint("regex", "a(b")))
-    assert not eng.has_unfinished()
+    # A grammar compiles on the compiler thread: its error is the request's one output.
+    eng.add_request(request("bad", Constraint("regex", "a(b")))
+    outputs = []
+    while eng.has_unfinished():
+        outputs.extend(eng.step())
+    (out,) = outputs
+    assert out.finished and not out.token_ids
+    assert isinstance(out.error, InvalidArgument)
+    assert re.match(r"(?s)^constraint\.regex: .*unclosed group", out.error.message)
     config = EngineConfig(model_dir=str(bytes_models["rope"]))
     small = LLMEngine(replace(config, limits=replace(config.limits, max_constraint_bytes=10)))
     with pytest.raises(InvalidArgument) as err:
@@ -263,3 +269,33 @@ def test_the_greedy_masked_argmax_picks_what_the_sampler_picks(
     assert fast.token_ids == full.token_ids
     spec = engine(bytes_models[kind], speculate=4)
     assert spec.generate(request("spec", schema)).token_ids == fast.token_ids
+
+
+def test_a_matcher_that_fails_mid_generation_ends_only_its_request(
+    bytes_models: dict[str, Path],
+) -> None:
+    # After one free byte the grammar forces "a" without end: llguidance gives up
+    # (its forced-token limit) at the second token, inside the batch's step.
+    eng = engine(bytes_models["rope"])
+    endless = Constraint("grammar", 'start: /[bc]/ rest\nrest: "a" rest')
+    eng.add_request(request("endless", endless))
+    eng.add_request(
+        request("free", None, stopping=StoppingCriteria(max_new_tokens=12, ignore_eos=True))
+    )
+    outputs: dict[str, list] = {"endless": [], "free": []}
+    for _ in range(200):
+        if not eng.has_unfinished():
+            break
+        for out in eng.step():
+            outputs[out.request_id].append(out)
+    bad = outputs["endless"][-1]
+    assert bad.finished and isinstance(bad.error, InvalidArgument)
+    assert bad.error.message.startswith(
+        "constraint.grammar: llguidance stopped matching it at generated token "
+    )
+    assert "Too many items" in bad.error.message
+    emitted = [t for out in outputs["endless"] for t in out.token_ids]
+    assert emitted and all(t in encode_bytes("bc") for t in emitted[:1])
+    free = [t for out in outputs["free"] for t in out.token_ids]
+    assert outputs["free"][-1].finished and outputs["free"][-1].error is None
+    assert len(free) == 12
