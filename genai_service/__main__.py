@@ -178,7 +178,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         default=LimitsConfig.max_constraint_bytes,
         help="largest structured-output constraint (schema, regex, grammar or choices), "
-        "in UTF-8 bytes",
+        "in UTF-8 bytes; also the most the tools' parameter schemas of one request may hold",
+    )
+    g.add_argument(
+        "--constraint-check-workers",
+        type=int,
+        metavar="N",
+        default=ServerConfig.constraint_check_workers,
+        help="processes that compile and try out constraints and tool schemas before "
+        "the engine sees them",
+    )
+    g.add_argument(
+        "--constraint-check-timeout-ms",
+        type=int,
+        metavar="MS",
+        default=ServerConfig.constraint_check_timeout_ms,
+        help="a constraint whose check takes longer is refused (INVALID_ARGUMENT)",
     )
     g.add_argument(
         "--speculate",
@@ -456,6 +471,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         grace_period_s=args.grace_period_s,
         log_format=args.log_format,
         stream_interval=args.stream_interval,
+        constraint_check_workers=args.constraint_check_workers,
+        constraint_check_timeout_ms=args.constraint_check_timeout_ms,
     )
 
 

@@ -299,6 +299,11 @@ class ServerConfig:
     # with the request's end. 1: every engine step's tokens as they come
     # (docs/design.md, "Processes and planes").
     stream_interval: int = 1
+    # Processes that compile and try out constraints and tool schemas before
+    # the engine sees them, and how long one check may take (docs/design.md,
+    # "Structured output").
+    constraint_check_workers: int = 1
+    constraint_check_timeout_ms: int = 10_000
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -311,6 +316,8 @@ class ServerConfig:
         _positive("max_input_chars", self.max_input_chars)
         _positive("engine_start_timeout_s", self.engine_start_timeout_s)
         _positive("stream_interval", self.stream_interval)
+        _positive("constraint_check_workers", self.constraint_check_workers)
+        _positive("constraint_check_timeout_ms", self.constraint_check_timeout_ms)
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:

@@ -27,6 +27,7 @@ from genai_proto.genai.v1 import (
 from ..config import ServerConfig
 from ..engine.model_dir import load_model_spec
 from ..engine.tokenizer import Tokenizer
+from .constraint_checker import ConstraintChecker
 from .engine_process import EngineProcess
 from .http_gateway import HttpGateway
 from .metrics import Metrics
@@ -58,6 +59,14 @@ class GenAIServer:
         )
         self.metrics = Metrics()
         self.metrics_port: int | None = None
+        limits = config.engine.limits
+        self.checker = ConstraintChecker(
+            config.engine.model_dir,
+            limits.max_constraint_bytes,
+            config.log_format,
+            workers=config.constraint_check_workers,
+            timeout_s=config.constraint_check_timeout_ms / 1000,
+        )
         self.frontend = Frontend(
             self.engine,
             self.tokenizer,
@@ -65,6 +74,8 @@ class GenAIServer:
             config.auth_tokens,
             self.metrics,
             config.stream_interval,
+            self.checker,
+            limits.max_constraint_bytes,
         )
         options = [
             ("grpc.max_send_message_length", config.max_message_bytes),
@@ -134,7 +145,10 @@ class GenAIServer:
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
             log.info("metrics", port=self.metrics_port, path="/metrics")
-        await self.engine.start(self.config.engine_start_timeout_s)
+        # The checkers start beside the engine (each loads the tokenizer only).
+        await asyncio.gather(
+            self.engine.start(self.config.engine_start_timeout_s), self.checker.start()
+        )
         self._poller = asyncio.create_task(self._poll_engine_stats())
 
     async def _poll_engine_stats(self, interval_s: float = 0.5) -> None:
@@ -172,7 +186,7 @@ class GenAIServer:
             await self.server.stop(left)
         if self.frontend.inflight:
             log.warning("grace_period_expired", inflight=self.frontend.inflight)
-        await self.engine.stop()
+        await asyncio.gather(self.engine.stop(), self.checker.close())
         self._stopped.set()
         log.info("stopped")
 

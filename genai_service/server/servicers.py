@@ -33,10 +33,11 @@ from genai_proto.genai.v1 import (
     session_pb2_grpc,
 )
 
-from ..engine.request import GenerationRequest, RequestOutput
+from ..engine.request import Constraint, GenerationRequest, RequestOutput
 from ..engine.sessions import SessionInfo, check_metadata
 from ..engine.tokenizer import Tokenizer
 from . import convert
+from .constraint_checker import ConstraintChecker
 from .engine_process import EngineProcess
 from .metrics import Metrics
 from .tools import ToolUse, tool_use
@@ -58,8 +59,14 @@ class Frontend:
         auth_tokens: tuple[tuple[str, str], ...] = (),
         metrics: Metrics | None = None,
         stream_interval: int = 1,
+        checker: ConstraintChecker | None = None,
+        max_constraint_bytes: int = 65_536,
     ) -> None:
         self.engine = engine
+        # Constraints and tool schemas are compiled there before the engine
+        # sees them; None: by the engine alone (a crash there costs every stream).
+        self.checker = checker
+        self.max_constraint_bytes = max_constraint_bytes
         self.stream_interval = stream_interval  # ServerConfig.stream_interval
         self.metrics = metrics or Metrics()
         self.auth_tokens = auth_tokens
@@ -115,7 +122,7 @@ class Frontend:
     ) -> tuple[GenerationRequest, ToolUse | None]:
         """The engine's request, and the tools it offers (None: no tools).
         ``session``: the request's session as a caller has just read it."""
-        use = tool_use(request)  # INVALID_ARGUMENT before any other work
+        use = tool_use(request, self.max_constraint_bytes)  # INVALID_ARGUMENT before other work
         if request.session_id and session is None:
             # NOT_FOUND for an unknown session comes from here, before any work.
             session = await self.engine.get_session(request.session_id, _principal.get())
@@ -123,13 +130,28 @@ class Frontend:
             request, self.tokenizer, self.max_input_chars, session, use
         )
         built = convert.generation_request(request, ids)
-        constraint = use.constraint() if use is not None else None
+        forced = use.constraint() if use is not None else None
+        await self.check_constraints(use, forced or built.constraint, forced is not None)
         return (
             dataclasses.replace(
-                built, principal=_principal.get(), constraint=constraint or built.constraint
+                built, principal=_principal.get(), constraint=forced or built.constraint
             ),
             use,
         )
+
+    async def check_constraints(
+        self, use: ToolUse | None, constraint: Constraint | None, forced: bool
+    ) -> None:
+        """Refuse, before the engine sees them, a tool schema or a constraint
+        that llguidance cannot compile or match (the constraint checker's
+        process; docs/design.md, "Structured output")."""
+        if self.checker is None:
+            return
+        checks = use.schema_checks() if use is not None else []
+        if constraint is not None:
+            checks.append((constraint, "tools" if forced else ""))
+        for each, field in checks:
+            await self.checker.check(each, field)
 
     async def outputs(self, request: Any, stream_interval: int = 1) -> AsyncIterator[RequestOutput]:
         m = self.metrics

@@ -9,15 +9,13 @@ asks for, which is also what many chat models are trained on:
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
 
-import llguidance
-
+from genai_common import bounded_json
 from genai_common.errors import InvalidArgument
 from genai_proto.genai.v1 import common_pb2, generate_pb2
 
@@ -70,6 +68,16 @@ class ToolUse:
         )
         return Constraint("grammar", grammar)
 
+    def schema_checks(self) -> list[tuple[Constraint, str]]:
+        """Each tool's call as a JSON-Schema constraint, with the field a
+        failure names: what the constraint checker compiles (whether or not
+        this request forces a call, a schema llguidance cannot take is refused)."""
+        field = "tools[{}].parameters_json_schema"
+        return [
+            (Constraint("json_schema", json.dumps(call_schema(t))), field.format(i))
+            for i, t in enumerate(self.tools)
+        ]
+
     def calls(self, text: str) -> list[common_pb2.ToolCall]:
         """The calls of offered tools written in ``text``, in order; a call
         whose JSON does not parse, or names no offered tool, is left as text."""
@@ -104,8 +112,14 @@ class ToolUse:
         return out
 
 
-def tool_use(request: generate_pb2.GenerateRequest) -> ToolUse | None:
-    """The request's tools and tool_choice, checked; None when no tool is offered."""
+def tool_use(
+    request: generate_pb2.GenerateRequest, max_schema_bytes: int = 65_536
+) -> ToolUse | None:
+    """The request's tools and tool_choice, checked; None when no tool is
+    offered. The tools' ``parameters_json_schema`` together may hold at most
+    ``max_schema_bytes`` (``--max-constraint-bytes``: a forced call's grammar
+    holds them all). Whether llguidance can compile each one is the constraint
+    checker's to say (``ToolUse.schema_checks``)."""
     choice = request.tool_choice
     tools = list(request.tools)
     if choice not in _CHOICES and not _NAME.fullmatch(choice):
@@ -120,6 +134,11 @@ def tool_use(request: generate_pb2.GenerateRequest) -> ToolUse | None:
         raise InvalidArgument("tools: are offered through the chat template; send messages")
     if len(tools) > MAX_TOOLS:
         raise InvalidArgument(f"tools: {len(tools)} given; allowed at most {MAX_TOOLS}")
+    size = sum(len(t.parameters_json_schema.encode("utf-8", "surrogatepass")) for t in tools)
+    if size > max_schema_bytes:
+        raise InvalidArgument(
+            f"tools: {size} bytes of parameters_json_schema; allowed at most {max_schema_bytes}"
+        )
     checked: list[Tool] = []
     for i, tool in enumerate(tools):
         if not _NAME.fullmatch(tool.name):
@@ -130,7 +149,6 @@ def tool_use(request: generate_pb2.GenerateRequest) -> ToolUse | None:
         if any(t.name == tool.name for t in checked):
             raise InvalidArgument(f"tools[{i}].name: {tool.name!r} is given twice")
         checked.append(Tool(tool.name, tool.description, _parameters(i, tool)))
-        _check_schema(i, checked[-1])
     if choice == "none":
         return None
     names = [t.name for t in checked]
@@ -182,33 +200,11 @@ def call_schema(tool: Tool) -> dict[str, Any]:
     }
 
 
-def _check_schema(i: int, tool: Tool) -> None:
-    """INVALID_ARGUMENT naming the tool when llguidance cannot compile its call."""
-    error = _schema_error(json.dumps(call_schema(tool)))
-    if error:
-        raise InvalidArgument(f"tools[{i}].parameters_json_schema: {error}")
-
-
-@functools.lru_cache(maxsize=256)
-def _schema_error(schema: str) -> str:
-    """llguidance's complaint about a call's JSON Schema ("" if none). Cached:
-    clients send the same tools with every request."""
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
-    except ValueError as e:
-        return str(e)[:1024]
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    return messages[0].strip()[:1024] if is_error else ""
-
-
 def _parameters(i: int, tool: generate_pb2.Tool) -> dict[str, Any]:
     field = f"tools[{i}].parameters_json_schema"
     if not tool.parameters_json_schema.strip():
         return {"type": "object"}
-    try:
-        schema = json.loads(tool.parameters_json_schema)
-    except ValueError as e:
-        raise InvalidArgument(f"{field}: not valid JSON: {e}") from e
+    schema = bounded_json.loads(tool.parameters_json_schema, field)
     if not isinstance(schema, dict):
         raise InvalidArgument(f"{field}: must be a JSON Schema object")
     return schema

@@ -9,9 +9,10 @@ import pytest
 
 from genai_common.errors import InvalidArgument
 from genai_proto.genai.v1 import common_pb2, generate_pb2
+from genai_service.engine.constraints import Guidance
 from genai_service.engine.tokenizer import TOOL_PREAMBLE, Tokenizer, tool_call_text
 from genai_service.server.tools import tool_use
-from tests.factories import tiny_tokenizer
+from tests.factories import BYTES_EOS_ID, bytes_tokenizer, tiny_tokenizer
 
 WEATHER = generate_pb2.Tool(
     name="get_weather",
@@ -234,8 +235,15 @@ def test_tool_schemas_with_local_refs_compile_and_bad_ones_name_the_tool() -> No
         name="broken",
         parameters_json_schema='{"type": "object", "properties": {"a": {"$ref": "#/nope"}}}',
     )
+    # The constraint checker compiles each tool's call, naming the tool's field.
+    broken_use = tool_use(request(tools=(TIME, broken)))
+    assert broken_use is not None
+    guidance = Guidance(bytes_tokenizer(), 257, [BYTES_EOS_ID], max_constraint_bytes=65_536)
+    (ok, _), (bad, field) = broken_use.schema_checks()
+    guidance.check(ok)
+    assert field == "tools[1].parameters_json_schema"
     with pytest.raises(InvalidArgument) as err:
-        tool_use(request(tools=(TIME, broken)))
+        guidance.check(bad, field)
     assert err.value.message.startswith("tools[1].parameters_json_schema: ")
     assert "nope" in err.value.message
 
