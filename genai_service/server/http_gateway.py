@@ -30,6 +30,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from genai_common import bounded_json
 from genai_common.errors import GenAIError, Internal, InvalidArgument, Unavailable
 from genai_common.metadata import SESSION_ID_HEADER
 
@@ -39,6 +40,8 @@ from . import openai_api, openai_reply
 from .servicers import Frontend, bind_call, principal
 
 log = structlog.get_logger(__name__)
+# Levels a body may add around a schema or tool parameters (tools[i].function.parameters).
+BODY_DEPTH_SLACK = 8
 _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
@@ -164,10 +167,9 @@ class HttpGateway:
         data = b"".join(chunks)
         if not data:
             return {}
-        try:
-            return json.loads(data)
-        except ValueError as e:
-            raise InvalidArgument(f"body: not valid JSON: {e}") from e
+        # A schema or tool parameters sit a few levels inside the body: their
+        # own bound (and field name) applies when they are read.
+        return bounded_json.loads(data, "body", bounded_json.MAX_JSON_DEPTH + BODY_DEPTH_SLACK)
 
     def _failure(
         self, name: str, exc: BaseException, started: float, names: dict[str, str] | None = None

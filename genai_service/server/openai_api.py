@@ -28,8 +28,36 @@ _SAMPLING = {
     "min_p": "min_p",
     "repetition_penalty": "repetition_penalty",
 }
-# Accepted and checked, with no effect on the answer.
-_IGNORED = {"model", "user", "parallel_tool_calls", "store", "metadata", "service_tier"}
+# Accepted and checked for type, with no effect on the answer: what the OpenAI
+# SDKs and agent frameworks send for features this server has no use for (one
+# model, no reasoning budget, text out only, no stored completions), by JSON type.
+_IGNORED = {
+    "model": "string",
+    "user": "string",
+    "parallel_tool_calls": "boolean",
+    "store": "boolean",
+    "metadata": "object",
+    "service_tier": "string",
+    "reasoning_effort": "string",
+    "verbosity": "string",
+    "modalities": "array",
+    "audio": "object",
+    "prediction": "object",
+    "web_search_options": "object",
+    "prompt_cache_key": "string",
+    "safety_identifier": "string",
+    "prompt_cache_retention": "string",
+    "prompt_cache_options": "object",
+    "moderation": "object",
+}
+_JSON_TYPES: dict[str, Callable[[Any], bool]] = {
+    "string": lambda v: isinstance(v, str),
+    "boolean": lambda v: isinstance(v, bool),
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+}
+# OpenAI's range (vLLM's too); gRPC's own is wider (docs/api.md).
+MAX_TEMPERATURE = 2.0
 _COMMON = {
     *_SAMPLING,
     *_IGNORED,
@@ -125,7 +153,8 @@ def parse(kind: str, body: Any, session_id: str = "") -> Call:
     for name in body:
         if name not in _FIELDS[kind]:
             raise InvalidArgument(f"{name}: unknown field")
-    _string(body, "model")
+    for name, kind_of in _IGNORED.items():
+        _typed(body, name, _JSON_TYPES[kind_of], f"a{'n' if kind_of[0] in 'ao' else ''} {kind_of}")
     request = generate_pb2.GenerateRequest(session_id=session_id)
     call = Call(kind, request)
     _sampling(body, request)
@@ -170,6 +199,10 @@ def _sampling(body: Mapping[str, Any], request: generate_pb2.GenerateRequest) ->
             value: float | None = _non_negative(name, 0 if k == -1 else k)
         else:
             value = _number(body, name)
+        if name == "temperature" and value is not None and not 0 <= value <= MAX_TEMPERATURE:
+            raise InvalidArgument(
+                f"temperature: {value} is out of range; allowed [0, {MAX_TEMPERATURE:g}]"
+            )
         if value is not None:
             setattr(s, proto, value)
     seed = _non_negative("seed", _integer(body, "seed"))

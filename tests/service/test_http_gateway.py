@@ -147,6 +147,54 @@ def test_invalid_parameters_are_bad_requests_naming_the_field(client: openai.Ope
     assert err.value.body["param"] == "max_completion_tokens"  # type: ignore[index]
 
 
+def test_openai_ranges_and_the_fields_sdks_send_without_effect(
+    client: openai.OpenAI, server: ServerThread
+) -> None:
+    # OpenAI's temperature range is [0, 2] (gRPC's own is wider).
+    for bad in (99, 2.5, -0.1):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="any", messages=CHAT, temperature=bad)
+        assert err.value.body == {  # type: ignore[comparison-overlap]
+            "message": f"temperature: {bad} is out of range; allowed [0, 2]",
+            "type": "invalid_request_error",
+            "param": "temperature",
+            "code": "invalid_argument",
+        }
+    plain = client.chat.completions.create(model="any", messages=CHAT, max_tokens=6, temperature=0)
+    # What current SDKs and agent frameworks send: accepted, the same greedy answer.
+    sent = client.chat.completions.create(
+        model="any",
+        messages=CHAT,
+        max_tokens=6,
+        temperature=0,
+        reasoning_effort="low",
+        verbosity="low",
+        modalities=["text"],
+        audio=None,
+        prediction={"type": "content", "content": "x"},
+        web_search_options={},
+        prompt_cache_key="k",
+        safety_identifier="u1",
+        store=False,
+        metadata={"a": "b"},
+        service_tier="auto",
+        parallel_tool_calls=True,
+        user="u",
+    )
+    assert sent.choices[0].message.content == plain.choices[0].message.content
+    # Checked for type, and a truly unknown field is still refused.
+    for body, param, message in (
+        ({"reasoning_effort": 3}, "reasoning_effort", "reasoning_effort: 3 is not a string"),
+        ({"modalities": "text"}, "modalities", 'modalities: "text" is not an array'),
+        ({"frobnicate": 1}, "frobnicate", "frobnicate: unknown field"),
+    ):
+        status, reply = call(
+            server, "POST", "/v1/chat/completions", {"model": "any", "messages": CHAT, **body}
+        )
+        assert status == 400 and reply["error"]["param"] == param
+        assert reply["error"]["message"] == message
+
+
 def test_async_client_and_models(server: ServerThread) -> None:
     async def run() -> tuple[str, list[str]]:
         async with openai.AsyncOpenAI(base_url=base_url(server), api_key="x") as c:
