@@ -236,6 +236,9 @@ class Guidance:
         self._cache_entries = cache_entries
         self._compiled: OrderedDict[bytes, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()  # the cache: the compiler thread fills it
+        # Compiles submitted and not done, by key: requests with one new
+        # constraint share one compile and are admitted in the same step.
+        self._inflight: dict[bytes, Future[llguidance.LLMatcher]] = {}
         self._compiler = _big_stack_executor(compile_stack_bytes, "guidance-compile")
         self._executor = llguidance.LLExecutor(num_threads=1)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="guidance")
@@ -264,7 +267,19 @@ class Guidance:
                 f"constraint: this model's tokenizer cannot be used for structured output "
                 f"(llguidance: {self.unsupported})"
             )
-        return self._compiler.submit(self._compile, key, constraint, field)
+        with self._lock:
+            pending = self._inflight.get(key)
+            new = pending is None
+            if pending is None:
+                pending = self._compiler.submit(self._compile, key, constraint, field)
+                self._inflight[key] = pending
+        if new:  # outside the lock: a done future runs the callback at once
+            pending.add_done_callback(lambda _: self._forget(key))
+        return pending
+
+    def _forget(self, key: bytes) -> None:
+        with self._lock:
+            self._inflight.pop(key, None)
 
     @staticmethod
     def take(compiled: Future[llguidance.LLMatcher]) -> llguidance.LLMatcher:

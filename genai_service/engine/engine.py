@@ -208,7 +208,7 @@ class LLMEngine(InProcessDriver):
         elif compiled is not None:
             waiting = self.scheduler.num_waiting + len(self._compiling)
             if waiting >= self.config.scheduler.max_queue:
-                compiled.cancel()
+                # The compile goes on (other requests may share it; it is cached).
                 raise ResourceExhausted(
                     f"queue: {waiting} requests waiting, the limit is "
                     f"{self.config.scheduler.max_queue}; retry later"

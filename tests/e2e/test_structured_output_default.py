@@ -95,7 +95,10 @@ def person_requests(eng: LLMEngine, sampling: SamplingParams, tag: str) -> list[
             f"{tag}-{i}",
             chat(eng, f"Describe {who} as a JSON object with name, age, role, hobbies, address."),
             sampling=sampling,
-            stopping=StoppingCriteria(max_new_tokens=200),
+            # Enough for the longest answer the schema allows: its strings are
+            # bounded in characters, and a model that drifts into CJK (the int8
+            # graph on some CPUs does, greedy) spends up to 3 tokens a character.
+            stopping=StoppingCriteria(max_new_tokens=512),
             constraint=constraint,
         )
         for i, who in enumerate(PEOPLE)
