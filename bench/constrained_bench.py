@@ -75,7 +75,7 @@ def _prompt(engine: Any, topic: str) -> tuple[int, ...]:
 
 def _rates(engine: Any, streams: int, new_tokens: int, constrained: bool, tag: str) -> float:
     """Mean decode tok/s of ``streams`` concurrent requests."""
-    from genai_service.engine.request import Constraint, GenerationRequest, StoppingCriteria
+    from genai_service.contract.request import Constraint, GenerationRequest, StoppingCriteria
 
     constraint = Constraint("json_schema", json.dumps(SCHEMA)) if constrained else None
     requests = [

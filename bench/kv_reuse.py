@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from genai_service.config import CacheConfig, EngineConfig, RunnerConfig
+from genai_service.contract.request import GenerationRequest, StoppingCriteria
 from genai_service.engine.engine import LLMEngine
-from genai_service.engine.request import GenerationRequest, StoppingCriteria
 
 
 def ttft(engine: LLMEngine, rid: str, ids: list[int]) -> tuple[float, int]:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from genai_service.engine.kv_codec import pack_kv
+from genai_service.engine.kv.kv_codec import pack_kv
 from kvstore.checksum import checksum
 from kvstore.client import AsyncKvStoreClient, KvStoreClient
 

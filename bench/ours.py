@@ -20,8 +20,8 @@ from pathlib import Path
 
 from genai_client import AsyncClient, Client
 from genai_service.config import EngineConfig, RunnerConfig, SchedulerConfig
+from genai_service.contract.request import GenerationRequest, StoppingCriteria
 from genai_service.engine.engine import LLMEngine
-from genai_service.engine.request import GenerationRequest, StoppingCriteria
 
 from .procs import REPO, RssMonitor, engine_pids, free_port, log_tail, stop_tree, wait_serving
 from .workload import stream_stats

@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from genai_service.engine import sampler
-from genai_service.engine.request import SamplingParams
-from genai_service.engine.sampler import SampleOutput, SamplingArgs, SamplingRow
+from genai_service.contract.request import SamplingParams
+from genai_service.engine.sampling import sampler
+from genai_service.engine.sampling.sampler import SampleOutput, SamplingArgs, SamplingRow
 
 VOCAB = 49152
 BATCHES = (1, 8)

@@ -32,10 +32,10 @@ from contextlib import contextmanager
 from typing import Any
 
 from genai_service.config import EngineConfig, RunnerConfig, SchedulerConfig
-from genai_service.engine import detokenizer, stops, text_output
+from genai_service.contract.protocol import Outputs
+from genai_service.contract.request import GenerationRequest, StoppingCriteria
+from genai_service.engine.text import detokenizer, stops, text_output
 from genai_service.engine.engine import LLMEngine
-from genai_service.engine.protocol import Outputs
-from genai_service.engine.request import GenerationRequest, StoppingCriteria
 
 
 class Probes:

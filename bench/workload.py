@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from genai_service.engine.tokenizer import Tokenizer as EngineTokenizer
+    from genai_service.model.tokenizer import Tokenizer as EngineTokenizer
 
 _SUBJECTS = (
     "The river pilot",
@@ -88,7 +88,7 @@ class TokenSource:
     @functools.cached_property
     def _templates(self) -> EngineTokenizer:
         """The engine's tokenizer, for its chat template (loaded once)."""
-        from genai_service.engine.tokenizer import Tokenizer
+        from genai_service.model.tokenizer import Tokenizer
 
         return Tokenizer.from_dir(self.model_dir)
 

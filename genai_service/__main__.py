@@ -28,7 +28,7 @@ from .config import (
     SessionConfig,
     SpeculationConfig,
 )
-from .engine.kv_integrity import MIN_SECRET_BYTES
+from .engine.kv.kv_integrity import MIN_SECRET_BYTES
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

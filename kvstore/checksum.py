@@ -6,7 +6,7 @@ which digest size). The writer computes it and sends it in the Put header; the
 server checks it as the frames arrive, the disk tier keeps it beside the blob
 and checks it on start-up and on every read, and the client checks it on Get.
 It catches rot and truncation, not forgery: that is the engine's MAC
-(``genai_service/engine/kv_integrity.py``).
+(``genai_service/engine/kv/kv_integrity.py``).
 """
 
 from __future__ import annotations

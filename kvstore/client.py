@@ -146,7 +146,7 @@ class AsyncKvStoreClient(_ClientBase):
     ``timeout_s`` is the default deadline of each call (each method takes a
     ``timeout_s`` override); ``credentials`` selects TLS; ``verify`` turns off
     the client-side checksum check (the KV payload has its own, see
-    genai_service/engine/kv_codec.py).
+    genai_service/engine/kv/kv_codec.py).
     """
 
     _grpc = grpc.aio

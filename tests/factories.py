@@ -15,11 +15,11 @@ import tokenizers
 from tokenizers import decoders, pre_tokenizers
 from tokenizers.models import BPE, WordLevel
 
-from genai_service.engine.request import GenerationRequest, Priority
+from genai_service.contract.request import GenerationRequest, Priority
 from genai_service.engine.sequence import Sequence, new_sequence
 
 if TYPE_CHECKING:
-    from genai_service.engine.sessions import Session
+    from genai_service.engine.sessions.sessions import Session
 
 
 @functools.cache

@@ -40,7 +40,7 @@ from genai_service.convert.weights import (
     make_linear,
     nbits_linear,
 )
-from genai_service.engine.model_dir import NUM_LOGITS_TO_KEEP
+from genai_service.model.model_dir import NUM_LOGITS_TO_KEEP
 
 OPSET = 21
 MS_DOMAIN = "com.microsoft"

@@ -23,13 +23,7 @@ import structlog
 from genai_common.errors import GenAIError, Internal, InvalidArgument, ResourceExhausted
 
 from ..config import EngineConfig
-from .constraints import Guidance
-from .in_process import InProcessDriver
-from .kv_chunk_store import KvChunkStore
-from .kv_reuse import KvReuse
-from .model_dir import ModelSpec, load_model_spec
-from .model_runner import ModelRunner, StepItem
-from .request import (
+from ..contract.request import (
     EngineInfo,
     FinishReason,
     GenerationRequest,
@@ -37,14 +31,20 @@ from .request import (
     TokenLogprob,
     merge_outputs,
 )
-from .restores import HeldOutputs, ParkedRequests, PendingCall, SessionCalls
-from .runners import create_runner
-from .sampling_rows import TokenPicker
+from ..guidance.constraints import Guidance
+from ..model.model_dir import ModelSpec, load_model_spec
+from ..model.tokenizer import Tokenizer
+from .in_process import InProcessDriver
+from .kv.kv_chunk_store import KvChunkStore
+from .kv.kv_reuse import KvReuse
+from .runner.model_runner import ModelRunner, StepItem
+from .runner.runners import create_runner
+from .sampling.sampling_rows import TokenPicker
+from .sampling.speculation import Speculation
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import SeqStatus, Sequence, new_sequence
-from .sessions import Session, SessionInfo, SessionPage, SessionTable
-from .speculation import Speculation
-from .tokenizer import Tokenizer
+from .sessions.restores import HeldOutputs, ParkedRequests, PendingCall, SessionCalls
+from .sessions.sessions import Session, SessionInfo, SessionPage, SessionTable
 from .validation import resolve_max_new_tokens, validate_request
 
 log = structlog.get_logger(__name__)

@@ -8,8 +8,8 @@ import time
 from collections.abc import Iterable
 from typing import Protocol, TypeVar
 
-from .request import GenerationRequest, GenerationResult, RequestOutput, collect
-from .restores import PendingCall
+from ..contract.request import GenerationRequest, GenerationResult, RequestOutput, collect
+from .sessions.restores import PendingCall
 
 T = TypeVar("T")
 

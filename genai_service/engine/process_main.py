@@ -28,7 +28,7 @@ import structlog
 from genai_common.errors import GenAIError, Internal
 
 from ..config import EngineConfig
-from .protocol import (
+from ..contract.protocol import (
     AbortRequest,
     AddRequest,
     Call,
@@ -48,8 +48,8 @@ from .protocol import (
     Stop,
     ToEngine,
 )
-from .request import GenerationRequest, RequestOutput
-from .restores import PendingCall
+from ..contract.request import GenerationRequest, RequestOutput
+from .sessions.restores import PendingCall
 
 if TYPE_CHECKING:
     from .engine import LLMEngine
@@ -99,8 +99,8 @@ def engine_main(config: EngineConfig, conn: Connection, log_format: str) -> None
     """Entry point of the engine process."""
     from genai_common.logging import configure_logging
 
+    from ..contract.request import SamplingParams, StoppingCriteria
     from .engine import LLMEngine
-    from .request import SamplingParams, StoppingCriteria
 
     configure_logging(log_format)
     try:

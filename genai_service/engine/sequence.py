@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tokenizers
 
-from .request import FinishReason, GenerationRequest, RequestOutput, Usage
-from .text_output import TextOutput
+from ..contract.request import FinishReason, GenerationRequest, RequestOutput, Usage
+from .text.text_output import TextOutput
 
 if TYPE_CHECKING:
-    from .prefix_cache import KvLayers
-    from .sessions import Session
+    from .kv.prefix_cache import KvLayers
+    from .sessions.sessions import Session
 
 DETOKENIZER_CONTEXT = 8  # prompt tokens given to the detokenizer as left context
 
@@ -66,7 +66,7 @@ class Sequence:
     prefix_keys: list[bytes] = field(default_factory=list)
     prefetch: Future[list[KvLayers]] | None = None
     prefetch_from: int = 0  # index in prefix_keys of the first prefetched key
-    # llguidance.LLMatcher of the request's constraint (engine/constraints.py): it
+    # llguidance.LLMatcher of the request's constraint (guidance/constraints.py): it
     # has consumed exactly the generated tokens; None without a constraint.
     matcher: Any = None
 

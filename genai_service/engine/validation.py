@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from genai_common.errors import InvalidArgument
 
 from ..config import LimitsConfig
-from .request import GenerationRequest
+from ..contract.request import GenerationRequest
 
 UINT64_MAX = 2**64 - 1
 

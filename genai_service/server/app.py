@@ -25,13 +25,13 @@ from genai_proto.genai.v1 import (
 )
 
 from ..config import ServerConfig
-from ..engine.model_dir import load_model_spec
-from ..engine.tokenizer import Tokenizer
+from ..model.model_dir import load_model_spec
+from ..model.tokenizer import Tokenizer
 from .constraint_checker import ConstraintChecker
 from .engine_process import EngineProcess
-from .http_gateway import HttpGateway
+from .grpc_api.servicers import Frontend, GenerateServicer, ModelServicer, SessionServicer
+from .http_api.http_gateway import HttpGateway
 from .metrics import Metrics
-from .servicers import Frontend, GenerateServicer, ModelServicer, SessionServicer
 
 log = structlog.get_logger(__name__)
 

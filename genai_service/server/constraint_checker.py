@@ -3,7 +3,7 @@
 Every structured-output constraint and tool schema of a request is checked
 before the request goes to the engine: the cheap shape limits here, then a
 compile and a few matching steps in the checker's own process
-(``engine/constraint_check.py``), started with ``spawn`` and supervised here.
+(``guidance/constraint_check.py``), started with ``spawn`` and supervised here.
 A verdict is kept by a digest of the constraint (and the field it names), so
 clients that send the same schema with every request pay for one check.
 
@@ -30,15 +30,15 @@ import structlog
 
 from genai_common.errors import InvalidArgument, Unavailable
 
-from ..engine.constraint_check import (
+from ..contract.request import Constraint
+from ..guidance.constraint_check import (
     CHECK_STACK_BYTES,
     CheckerReady,
     CheckJob,
     Verdict,
     checker_main,
 )
-from ..engine.constraints import constraint_digest, validate_shape
-from ..engine.request import Constraint
+from ..guidance.constraints import constraint_digest, validate_shape
 
 log = structlog.get_logger(__name__)
 

@@ -12,7 +12,7 @@ from genai_common import bounded_json
 from genai_common.errors import InvalidArgument
 from genai_proto.genai.v1 import common_pb2, generate_pb2, model_pb2, session_pb2
 
-from ..engine.request import (
+from ..contract.request import (
     Constraint,
     EngineInfo,
     FinishReason,
@@ -24,8 +24,8 @@ from ..engine.request import (
     TokenLogprob,
     merge_outputs,
 )
-from ..engine.sessions import SessionInfo
-from ..engine.tokenizer import Tokenizer
+from ..engine.sessions.sessions import SessionInfo
+from ..model.tokenizer import Tokenizer
 from .tools import ToolUse
 
 _PRIORITY = {

@@ -4,7 +4,7 @@ See docs/design.md, "Processes and planes".
 
 The frontend never runs model compute; it talks to the engine process
 (``genai_service.engine.process_main``) over a ``multiprocessing`` pipe
-carrying the small pickled messages of ``genai_service.engine.protocol``:
+carrying the small pickled messages of ``genai_service.contract.protocol``:
 requests, aborts and typed calls one way; one batch of ``RequestOutput`` per
 engine step the other way. The process is started with ``spawn`` (gRPC's core
 is not fork-safe once initialised). A request's error, a refusal at admission
@@ -37,8 +37,7 @@ import structlog
 from genai_common.errors import GenAIError, InvalidArgument, Unavailable
 
 from ..config import EngineConfig
-from ..engine.process_main import engine_main
-from ..engine.protocol import (
+from ..contract.protocol import (
     AbortRequest,
     AddRequest,
     Call,
@@ -58,8 +57,9 @@ from ..engine.protocol import (
     Stop,
     ToEngine,
 )
-from ..engine.request import GenerationRequest, RequestOutput, merge_outputs
-from ..engine.sessions import SessionInfo, SessionPage
+from ..contract.request import GenerationRequest, RequestOutput, merge_outputs
+from ..engine.process_main import engine_main
+from ..engine.sessions.sessions import SessionInfo, SessionPage
 
 log = structlog.get_logger(__name__)
 

@@ -19,8 +19,8 @@ from genai_common import bounded_json
 from genai_common.errors import InvalidArgument
 from genai_proto.genai.v1 import common_pb2, generate_pb2
 
-from ..engine.request import Constraint
-from ..engine.tokenizer import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from ..contract.request import Constraint
+from ..model.tokenizer import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_TOOLS = 128

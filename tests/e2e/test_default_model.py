@@ -16,9 +16,9 @@ from genai_service.config import (
     ServerConfig,
     SpeculationConfig,
 )
+from genai_service.contract.request import GenerationRequest, StoppingCriteria
 from genai_service.engine.engine import LLMEngine
-from genai_service.engine.model_runner import StepItem
-from genai_service.engine.request import GenerationRequest, StoppingCriteria
+from genai_service.engine.runner.model_runner import StepItem
 from tests.server_harness import ServerThread, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]

@@ -12,14 +12,14 @@ import jsonschema
 import pytest
 
 from genai_service.config import EngineConfig, RunnerConfig, SpeculationConfig
-from genai_service.engine.engine import LLMEngine
-from genai_service.engine.request import (
+from genai_service.contract.request import (
     Constraint,
     FinishReason,
     GenerationRequest,
     SamplingParams,
     StoppingCriteria,
 )
+from genai_service.engine.engine import LLMEngine
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 

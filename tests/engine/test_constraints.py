@@ -1,4 +1,4 @@
-"""Structured-output grammars (engine/constraints.py) on the tiny "bytes" tokenizer.
+"""Structured-output grammars (guidance/constraints.py) on the tiny "bytes" tokenizer.
 
 No model here: "logits" come from a seeded generator, so every test walks the
 masks the way the engine does (mask → pick → consume) without ONNX Runtime.
@@ -16,8 +16,8 @@ import pytest
 import tokenizers
 
 from genai_common.errors import InvalidArgument
-from genai_service.engine.constraints import Guidance
-from genai_service.engine.request import Constraint
+from genai_service.contract.request import Constraint
+from genai_service.guidance.constraints import Guidance
 from tests.tiny_model import BYTE_VOCAB_SIZE, EOS_ID, _tokenizer_json, encode_bytes
 
 TOKENIZER = tokenizers.Tokenizer.from_str(_tokenizer_json(False, "bytes"))

@@ -34,7 +34,7 @@ from genai_service.convert.weights import (
     nbits_linear,
     rope_unpermute_index,
 )
-from genai_service.engine.model_dir import load_model_spec
+from genai_service.model.model_dir import load_model_spec
 from tests.llama_reference import ReferenceModel
 
 Q = GGMLQuantizationType

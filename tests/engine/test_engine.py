@@ -21,10 +21,7 @@ from genai_service.config import (
     RunnerConfig,
     SchedulerConfig,
 )
-from genai_service.engine.engine import LLMEngine
-from genai_service.engine.kv_connector_memory import MemoryKvChunkStore
-from genai_service.engine.prefix_cache import chunk_keys
-from genai_service.engine.request import (
+from genai_service.contract.request import (
     FinishReason,
     GenerationRequest,
     Priority,
@@ -32,6 +29,9 @@ from genai_service.engine.request import (
     StoppingCriteria,
     collect,
 )
+from genai_service.engine.engine import LLMEngine
+from genai_service.engine.kv.kv_connector_memory import MemoryKvChunkStore
+from genai_service.engine.kv.prefix_cache import chunk_keys
 from tests.tiny_model import EOS_ID, encode_words, reference_greedy
 
 PROMPTS = [
@@ -532,7 +532,7 @@ def test_parked_session_kv_beyond_the_budget_is_dropped_and_recomputed(
 
 
 def test_merged_outputs_concatenate_and_keep_the_end_fields() -> None:
-    from genai_service.engine.request import (
+    from genai_service.contract.request import (
         FinishReason,
         RequestOutput,
         TokenLogprob,

@@ -22,15 +22,15 @@ from genai_service.config import (
     SchedulerConfig,
     SessionConfig,
 )
-from genai_service.engine.engine import LLMEngine
-from genai_service.engine.kv_connector_memory import MemoryKvChunkStore
-from genai_service.engine.request import (
+from genai_service.contract.request import (
     FinishReason,
     GenerationRequest,
     RequestOutput,
     StoppingCriteria,
 )
-from genai_service.engine.restores import PendingCall
+from genai_service.engine.engine import LLMEngine
+from genai_service.engine.kv.kv_connector_memory import MemoryKvChunkStore
+from genai_service.engine.sessions.restores import PendingCall
 from tests.tiny_model import encode_words, reference_greedy
 
 DELAY_S = 1.0  # each record fetch (and prefetch) takes this long once set

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 
 from genai_service.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig
+from genai_service.contract.request import GenerationRequest, StoppingCriteria
 from genai_service.engine.engine import LLMEngine
-from genai_service.engine.model_dir import load_model_spec
-from genai_service.engine.model_runner import StepItem
-from genai_service.engine.request import GenerationRequest, StoppingCriteria
-from genai_service.engine.shared_buffer_runner import SharedBufferRunner
+from genai_service.engine.runner.model_runner import StepItem
+from genai_service.engine.runner.shared_buffer_runner import SharedBufferRunner
+from genai_service.model.model_dir import load_model_spec
 from tests.tiny_model import encode_words, reference_greedy, reference_logits
 
 

@@ -9,18 +9,18 @@ import numpy as np
 import pytest
 
 from genai_service.config import CacheConfig, EngineConfig, RunnerConfig, SpeculationConfig
-from genai_service.engine.engine import LLMEngine
-from genai_service.engine.model_dir import load_model_spec
-from genai_service.engine.model_runner import PastPresentRunner, StepItem
-from genai_service.engine.request import (
+from genai_service.contract.request import (
     FinishReason,
     GenerationRequest,
     GenerationResult,
     SamplingParams,
     StoppingCriteria,
 )
-from genai_service.engine.shared_buffer_runner import SharedBufferRunner
-from genai_service.engine.speculation import MAX_BACKOFF_STEPS, PromptLookup
+from genai_service.engine.engine import LLMEngine
+from genai_service.engine.runner.model_runner import PastPresentRunner, StepItem
+from genai_service.engine.runner.shared_buffer_runner import SharedBufferRunner
+from genai_service.engine.sampling.speculation import MAX_BACKOFF_STEPS, PromptLookup
+from genai_service.model.model_dir import load_model_spec
 from tests.tiny_model import encode_words, reference_logits
 
 RUNNERS = ["gqa", "rope"]  # shared-buffer and past/present runners

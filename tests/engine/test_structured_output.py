@@ -15,14 +15,14 @@ import pytest
 
 from genai_common.errors import InvalidArgument
 from genai_service.config import EngineConfig, SpeculationConfig
-from genai_service.engine.engine import LLMEngine
-from genai_service.engine.request import (
+from genai_service.contract.request import (
     Constraint,
     FinishReason,
     GenerationRequest,
     SamplingParams,
     StoppingCriteria,
 )
+from genai_service.engine.engine import LLMEngine
 from tests.tiny_model import EOS_ID, encode_bytes, encode_words
 
 SCHEMA = {

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from genai_client import ChatMessage, Client, InvalidArgumentError, Tool, ToolCall
 from genai_common.errors import InvalidArgument
 from genai_service.config import EngineConfig, LimitsConfig, ServerConfig
-from genai_service.engine.request import Constraint
+from genai_service.contract.request import Constraint
 from genai_service.server.constraint_checker import ConstraintChecker
 from tests.server_harness import ServerThread, free_port
 

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from genai_proto.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
-from genai_service.engine.kv_chunk_store import STAT_NAMES, KvChunkStore
-from genai_service.engine.kv_codec import pack_kv
-from genai_service.engine.kv_connector import GrpcKvChunkStore
-from genai_service.engine.kv_connector_memory import MemoryKvChunkStore
-from genai_service.engine.kv_integrity import TAG_BYTES, KvIntegrity
-from genai_service.engine.prefix_cache import KvLayers, chunk_keys, make_namespace
+from genai_service.engine.kv.kv_chunk_store import STAT_NAMES, KvChunkStore
+from genai_service.engine.kv.kv_codec import pack_kv
+from genai_service.engine.kv.kv_connector import GrpcKvChunkStore
+from genai_service.engine.kv.kv_connector_memory import MemoryKvChunkStore
+from genai_service.engine.kv.kv_integrity import TAG_BYTES, KvIntegrity
+from genai_service.engine.kv.prefix_cache import KvLayers, chunk_keys, make_namespace
 from kvstore.client import KvStoreClient
 from kvstore.server import KvStoreConfig, RunningServer, start_server
 from tests.server_harness import free_port

@@ -16,12 +16,12 @@ import pytest
 
 from genai_common.errors import NotFound, PermissionDenied
 from genai_service.config import CacheConfig, EngineConfig, KvStoreConfig, ServerConfig
+from genai_service.contract.request import GenerationRequest, StoppingCriteria
 from genai_service.engine.engine import LLMEngine
-from genai_service.engine.kv_codec import pack_kv
-from genai_service.engine.kv_integrity import TAG_BYTES, KvIntegrity
-from genai_service.engine.prefix_cache import chunk_keys
-from genai_service.engine.request import GenerationRequest, StoppingCriteria
-from genai_service.engine.sessions import Session, session_record
+from genai_service.engine.kv.kv_codec import pack_kv
+from genai_service.engine.kv.kv_integrity import TAG_BYTES, KvIntegrity
+from genai_service.engine.kv.prefix_cache import chunk_keys
+from genai_service.engine.sessions.sessions import Session, session_record
 from kvstore.client import KvStoreClient
 from tests.kvstore_harness import DATA_PLANE_TOKEN, KvStoreProcess
 from tests.server_harness import ServerThread, free_port

@@ -12,9 +12,9 @@ import pytest
 
 from genai_common.credentials import channel_credentials
 from genai_service.config import CacheConfig, EngineConfig, KvStoreConfig, RunnerConfig
+from genai_service.contract.request import GenerationRequest, StoppingCriteria
 from genai_service.engine.engine import LLMEngine
-from genai_service.engine.kv_connector_memory import MemoryKvChunkStore
-from genai_service.engine.request import GenerationRequest, StoppingCriteria
+from genai_service.engine.kv.kv_connector_memory import MemoryKvChunkStore
 from kvstore.client import KvStoreClient
 from tests.kvstore_harness import DATA_PLANE_TOKEN, KvStoreProcess
 from tests.server_harness import free_port

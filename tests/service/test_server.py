@@ -26,8 +26,8 @@ from genai_proto.genai.v1 import (
     session_pb2_grpc,
 )
 from genai_service.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
+from genai_service.contract.request import GenerationRequest, RequestOutput, StoppingCriteria
 from genai_service.engine.engine import LLMEngine
-from genai_service.engine.request import GenerationRequest, RequestOutput, StoppingCriteria
 from tests.server_harness import ServerThread, free_port
 from tests.tiny_model import encode_words
 
@@ -750,8 +750,8 @@ def test_a_request_id_already_in_flight_is_invalid_argument(channel: grpc.Channe
 def test_the_engine_outbox_keeps_order_flushes_on_close_and_notes_a_broken_pipe() -> None:
     import multiprocessing as mp
 
+    from genai_service.contract.protocol import Outputs
     from genai_service.engine.process_main import Outbox
-    from genai_service.engine.protocol import Outputs
 
     reader, writer = mp.Pipe(duplex=False)
     outbox = Outbox(writer)

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from genai_service.engine.request import SamplingParams
-from genai_service.engine.sampler import SamplingRow, prepare, sample
+from genai_service.contract.request import SamplingParams
+from genai_service.engine.sampling.sampler import SamplingRow, prepare, sample
 
 GOLDEN_PATH = Path(__file__).parent / "data" / "sampler_golden.json"
 

@@ -96,7 +96,7 @@ def _http_bodies() -> list[tuple[str, dict]]:
 
 
 def test_http_bodies_are_accepted() -> None:
-    from genai_service.server.openai_api import parse
+    from genai_service.server.http_api.openai_api import parse
 
     bodies = _http_bodies()
     assert {kind for kind, _ in bodies} == {"chat", "completions"}

@@ -1,5 +1,5 @@
 """The engine boundary: every message of the engine-process pipe
-(``genai_service.engine.protocol``) pickles intact, errors keep their code and
+(``genai_service.contract.protocol``) pickles intact, errors keep their code and
 message, and the frontend's side (plus the engine's plain-Python parts)
 imports without ONNX Runtime (STYLE: only the model runners need it)."""
 
@@ -13,8 +13,7 @@ import typing
 import pytest
 
 from genai_common.errors import GenAIError, Internal, InvalidArgument, NotFound, Unavailable
-from genai_service.engine import protocol
-from genai_service.engine.protocol import (
+from genai_service.contract.protocol import (
     AbortRequest,
     AddRequest,
     CallDone,
@@ -31,7 +30,7 @@ from genai_service.engine.protocol import (
     Stats,
     Stop,
 )
-from genai_service.engine.request import (
+from genai_service.contract.request import (
     EngineInfo,
     FinishReason,
     GenerationRequest,
@@ -43,24 +42,25 @@ from genai_service.engine.request import (
     TopLogprob,
     Usage,
 )
-from genai_service.engine.sessions import SessionInfo, SessionPage
+from genai_service.contract import protocol
+from genai_service.engine.sessions.sessions import SessionInfo, SessionPage
 
 # What the frontend imports to talk to the engine and convert its types, and
 # the engine's bookkeeping that is unit-tested without a model.
 WITHOUT_ORT = [
     "genai_service.server.convert",
     "genai_service.server.engine_process",
-    "genai_service.engine.protocol",
+    "genai_service.contract.protocol",
     "genai_service.engine.process_main",
-    "genai_service.engine.request",
-    "genai_service.engine.sessions",
-    "genai_service.engine.restores",
+    "genai_service.contract.request",
+    "genai_service.engine.sessions.sessions",
+    "genai_service.engine.sessions.restores",
     "genai_service.engine.scheduler",
     "genai_service.engine.sequence",
-    "genai_service.engine.text_output",
-    "genai_service.engine.sampling_rows",
-    "genai_service.engine.speculation",
-    "genai_service.engine.kv_reuse",
+    "genai_service.engine.text.text_output",
+    "genai_service.engine.sampling.sampling_rows",
+    "genai_service.engine.sampling.speculation",
+    "genai_service.engine.kv.kv_reuse",
 ]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import WordLevel
 
-from genai_service.engine.tokenizer import Tokenizer
+from genai_service.model.tokenizer import Tokenizer
 
 # ChatML with a default system prompt, as SmolLM2 ships it.
 CHATML = (

@@ -1,4 +1,4 @@
-"""The shape limits of constraints (engine/constraint_limits.py), client JSON
+"""The shape limits of constraints (guidance/constraint_limits.py), client JSON
 parsed with a nesting bound (genai_common/bounded_json.py), and what the
 checker's ``Guidance.check`` refuses before admission, on a byte tokenizer."""
 
@@ -10,9 +10,9 @@ import pytest
 
 from genai_common import bounded_json
 from genai_common.errors import InvalidArgument
-from genai_service.engine import constraint_limits as limits
-from genai_service.engine.constraints import Guidance, constraint_digest, grammar_text
-from genai_service.engine.request import Constraint
+from genai_service.contract.request import Constraint
+from genai_service.guidance import constraint_limits as limits
+from genai_service.guidance.constraints import Guidance, constraint_digest, grammar_text
 from tests.factories import BYTES_EOS_ID, bytes_tokenizer
 
 

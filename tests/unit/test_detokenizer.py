@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from genai_service.engine.detokenizer import IncrementalDetokenizer
+from genai_service.engine.text.detokenizer import IncrementalDetokenizer
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -165,13 +165,18 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_graph_sees_the_imports_it_should() -> None:
     """The parser itself: relative, absolute and from-package imports all resolve."""
     graph = _graph(runtime_top_level=True)
-    assert "genai_service.engine.model_runner" in graph["genai_service.engine.runners"]
-    assert "genai_service.engine.shared_buffer_runner" in graph["genai_service.engine.runners"]
+    assert (
+        "genai_service.engine.runner.model_runner" in graph["genai_service.engine.runner.runners"]
+    )
+    assert (
+        "genai_service.engine.runner.shared_buffer_runner"
+        in graph["genai_service.engine.runner.runners"]
+    )
     assert "genai_common.errors" in graph["genai_common.decoding"]
-    assert "kvstore.client" in graph["genai_service.engine.kv_connector"]
+    assert "kvstore.client" in graph["genai_service.engine.kv.kv_connector"]
     assert GENERATED in graph["genai_client.client"]
     assert (
-        "genai_service.server.convert" in graph["genai_service.server.servicers"]
+        "genai_service.server.convert" in graph["genai_service.server.grpc_api.servicers"]
     )  # from . import
 
 
@@ -195,8 +200,8 @@ def test_no_module_imports_in_a_circle() -> None:
 def test_the_runner_base_knows_no_subclass() -> None:
     graph = _graph(runtime_top_level=False)  # not even lazily
     assert (
-        "genai_service.engine.shared_buffer_runner"
-        not in graph["genai_service.engine.model_runner"]
+        "genai_service.engine.runner.shared_buffer_runner"
+        not in graph["genai_service.engine.runner.model_runner"]
     )
 
 

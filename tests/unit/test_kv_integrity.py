@@ -1,10 +1,10 @@
-"""Sealing and opening kvstore blobs (genai_service/engine/kv_integrity.py)."""
+"""Sealing and opening kvstore blobs (genai_service/engine/kv/kv_integrity.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from genai_service.engine.kv_integrity import TAG_BYTES, IntegrityError, KvIntegrity
+from genai_service.engine.kv.kv_integrity import TAG_BYTES, IntegrityError, KvIntegrity
 
 SECRET = b"a-secret-shared-by-trusting-replicas"
 KEY = bytes(range(16))

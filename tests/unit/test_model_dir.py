@@ -17,7 +17,7 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import models, pre_tokenizers
 
 from genai_common.errors import ModelLoadError
-from genai_service.engine.model_dir import KvLayout, load_model_spec
+from genai_service.model.model_dir import KvLayout, load_model_spec
 
 # Word-level vocabulary shared by the model and tokenizer tests; ids 0-4 are special.
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]

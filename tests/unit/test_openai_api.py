@@ -1,4 +1,4 @@
-"""OpenAI JSON ↔ genai.v1 translation (server/openai_api.py), without a server."""
+"""OpenAI JSON ↔ genai.v1 translation (server/http_api/openai_api.py), without a server."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 
 from genai_common.errors import InvalidArgument, NotFound, ResourceExhausted
 from genai_proto.genai.v1 import common_pb2, generate_pb2
-from genai_service.server import openai_api, openai_reply
-from genai_service.server.openai_api import CHAT, COMPLETIONS, parse
+from genai_service.server.http_api import openai_api, openai_reply
+from genai_service.server.http_api.openai_api import CHAT, COMPLETIONS, parse
 
 USER = [{"role": "user", "content": "hi"}]
 

@@ -5,7 +5,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from genai_service.engine.prefix_cache import (
+from genai_service.engine.kv.prefix_cache import (
     PrefixIndex,
     chunk_keys,
     join_chunks,

@@ -13,8 +13,7 @@ from typing import Any
 import pytest
 
 from genai_common.errors import GenAIError, Internal, NotFound, ResourceExhausted
-from genai_service.engine.process_main import Outbox, answer_call, serve
-from genai_service.engine.protocol import (
+from genai_service.contract.protocol import (
     AbortRequest,
     AddRequest,
     Call,
@@ -31,8 +30,9 @@ from genai_service.engine.protocol import (
     Stats,
     Stop,
 )
-from genai_service.engine.request import GenerationRequest, RequestOutput
-from genai_service.engine.restores import PendingCall
+from genai_service.contract.request import GenerationRequest, RequestOutput
+from genai_service.engine.process_main import Outbox, answer_call, serve
+from genai_service.engine.sessions.restores import PendingCall
 
 
 class FakeEngine:

@@ -4,7 +4,7 @@ import pytest
 
 from genai_common.errors import ResourceExhausted
 from genai_service.config import SchedulerConfig
-from genai_service.engine.request import Priority
+from genai_service.contract.request import Priority
 from genai_service.engine.scheduler import Scheduler
 from genai_service.engine.sequence import SeqStatus, Sequence
 from tests.factories import make_sequence

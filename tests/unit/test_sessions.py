@@ -11,7 +11,7 @@ from genai_common.errors import (
     ResourceExhausted,
 )
 from genai_service.config import SESSION_LIST_PAGE_BYTES, SessionConfig
-from genai_service.engine.sessions import (
+from genai_service.engine.sessions.sessions import (
     DEFAULT_PAGE_SIZE,
     MAX_PAGE_SIZE,
     SessionTable,

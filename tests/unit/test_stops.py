@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from genai_service.engine.stops import StopStringMatcher
+from genai_service.engine.text.stops import StopStringMatcher
 
 
 def partial_stop_suffix(text: str, stops: Sequence[str]) -> str:

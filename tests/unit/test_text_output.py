@@ -8,7 +8,7 @@ import functools
 import pytest
 from tokenizers import Tokenizer, decoders, models
 
-from genai_service.engine.request import (
+from genai_service.contract.request import (
     FinishReason,
     RequestOutput,
     TokenLogprob,
@@ -16,7 +16,7 @@ from genai_service.engine.request import (
     collect,
     merge_outputs,
 )
-from genai_service.engine.text_output import TextOutput
+from genai_service.engine.text.text_output import TextOutput
 
 CHARS = " abcdefghijklmnopqrstuvwxyz."
 

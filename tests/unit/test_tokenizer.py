@@ -11,8 +11,8 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import models, pre_tokenizers, processors
 
 from genai_common.errors import InvalidArgument, ModelLoadError
-from genai_service.engine.model_dir import load_model_spec
-from genai_service.engine.tokenizer import Tokenizer
+from genai_service.model.model_dir import load_model_spec
+from genai_service.model.tokenizer import Tokenizer
 from tests.unit.test_model_dir import VOCAB, VOCAB_SIZE, write_model_dir, write_word_tokenizer
 
 # ChatML with block tags on their own (indented) lines: it renders right only with

@@ -1,5 +1,5 @@
 """Tool calls in the frontend (server/tools.py) and their rendering through the
-chat template (engine/tokenizer.py): checks, the forced-call grammar, parsing."""
+chat template (model/tokenizer.py): checks, the forced-call grammar, parsing."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 
 from genai_common.errors import InvalidArgument
 from genai_proto.genai.v1 import common_pb2, generate_pb2
-from genai_service.engine.constraints import Guidance
-from genai_service.engine.tokenizer import TOOL_PREAMBLE, Tokenizer, tool_call_text
+from genai_service.guidance.constraints import Guidance
+from genai_service.model.tokenizer import TOOL_PREAMBLE, Tokenizer, tool_call_text
 from genai_service.server.tools import tool_use
 from tests.factories import BYTES_EOS_ID, bytes_tokenizer, tiny_tokenizer
 

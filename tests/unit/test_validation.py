@@ -6,7 +6,7 @@ import pytest
 
 from genai_common.errors import InvalidArgument
 from genai_service.config import LimitsConfig
-from genai_service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
+from genai_service.contract.request import GenerationRequest, SamplingParams, StoppingCriteria
 from genai_service.engine.validation import validate_request
 
 LIMITS = LimitsConfig(max_new_tokens_limit=100, default_max_new_tokens=10)

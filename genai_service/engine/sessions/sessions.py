@@ -35,8 +35,8 @@ import structlog
 
 from genai_common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 
-from ..config import SESSION_LIST_PAGE_BYTES, SessionConfig
-from .prefix_cache import kv_nbytes
+from ...config import SESSION_LIST_PAGE_BYTES, SessionConfig
+from ..kv.prefix_cache import kv_nbytes
 
 log = structlog.get_logger(__name__)
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
-from ..config import RunnerConfig
-from .model_dir import ModelSpec
-from .prefix_cache import KvLayers, join_chunks
+from ...config import RunnerConfig
+from ...model.model_dir import ModelSpec
+from ..kv.prefix_cache import KvLayers, join_chunks
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ class StoppingCriteria:
 
 @dataclass(frozen=True)
 class Constraint:
-    """Structured output (engine/constraints.py): ``kind`` is one of
+    """Structured output (guidance/constraints.py): ``kind`` is one of
     ``json_schema``, ``regex``, ``grammar`` (``value`` holds the text),
     ``choice`` (``choices``) or ``json_object``."""
 

@@ -6,8 +6,8 @@ that the base module knows none of its subclasses.
 
 from __future__ import annotations
 
-from ..config import RunnerConfig
-from .model_dir import ModelSpec
+from ...config import RunnerConfig
+from ...model.model_dir import ModelSpec
 from .model_runner import ModelRunner, PastPresentRunner
 from .shared_buffer_runner import SharedBufferRunner
 

@@ -24,10 +24,10 @@ from collections.abc import Sequence
 import numpy as np
 import onnxruntime as ort
 
-from ..config import RunnerConfig
-from .model_dir import ModelSpec
+from ...config import RunnerConfig
+from ...model.model_dir import ModelSpec
+from ..kv.prefix_cache import KvLayers
 from .model_runner import ModelRunner, StepItem, make_session_options
-from .prefix_cache import KvLayers
 
 
 class SharedBufferRunner(ModelRunner):

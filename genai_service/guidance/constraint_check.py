@@ -28,10 +28,10 @@ import structlog
 from genai_common.errors import GenAIError
 from genai_common.logging import configure_logging
 
+from ..contract.request import Constraint
+from ..model.model_dir import load_model_spec
+from ..model.tokenizer import Tokenizer
 from .constraints import Guidance
-from .model_dir import load_model_spec
-from .request import Constraint
-from .tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 

@@ -35,12 +35,12 @@ from .kv_integrity import KvIntegrity
 from .prefix_cache import PrefixIndex, chunk_keys, make_namespace, scoped_namespace
 
 if TYPE_CHECKING:
-    from ..config import EngineConfig
-    from .model_dir import ModelSpec
-    from .model_runner import ModelRunner
+    from ...config import EngineConfig
+    from ...model.model_dir import ModelSpec
+    from ..runner.model_runner import ModelRunner
+    from ..sequence import Sequence
+    from ..sessions.sessions import Session
     from .prefix_cache import KvLayers
-    from .sequence import Sequence
-    from .sessions import Session
 
 STORE_CHUNKS_PER_STEP = 2  # chunks of finished sequences copied out per busy step
 

@@ -28,8 +28,8 @@ import structlog
 
 from genai_common.errors import GenAIError, Internal, PermissionDenied, ResourceExhausted
 
-from .kv_chunk_store import KvChunkStore
-from .request import FinishReason, GenerationRequest, RequestOutput, Usage
+from ...contract.request import FinishReason, GenerationRequest, RequestOutput, Usage
+from ..kv.kv_chunk_store import KvChunkStore
 from .sessions import (
     Session,
     SessionInfo,

@@ -33,14 +33,14 @@ from genai_proto.genai.v1 import (
     session_pb2_grpc,
 )
 
-from ..engine.request import Constraint, GenerationRequest, RequestOutput
-from ..engine.sessions import SessionInfo, check_metadata
-from ..engine.tokenizer import Tokenizer
-from . import convert
-from .constraint_checker import ConstraintChecker
-from .engine_process import EngineProcess
-from .metrics import Metrics
-from .tools import ToolUse, tool_use
+from ...contract.request import Constraint, GenerationRequest, RequestOutput
+from ...engine.sessions.sessions import SessionInfo, check_metadata
+from ...model.tokenizer import Tokenizer
+from .. import convert
+from ..constraint_checker import ConstraintChecker
+from ..engine_process import EngineProcess
+from ..metrics import Metrics
+from ..tools import ToolUse, tool_use
 
 log = structlog.get_logger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Any
 from genai_common.errors import GenAIError, InvalidArgument
 from genai_proto.genai.v1 import common_pb2, generate_pb2
 
-from ..engine.tokenizer import TOOL_CALL_OPEN
+from ...model.tokenizer import TOOL_CALL_OPEN
 from .openai_api import CHAT, COMPLETIONS, Call
 
 _FINISH = {

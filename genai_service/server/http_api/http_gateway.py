@@ -34,10 +34,10 @@ from genai_common import bounded_json
 from genai_common.errors import GenAIError, Internal, InvalidArgument, Unavailable
 from genai_common.metadata import SESSION_ID_HEADER
 
-from ..config import ServerConfig
-from ..engine.sessions import check_metadata
+from ...config import ServerConfig
+from ...engine.sessions.sessions import check_metadata
+from ..grpc_api.servicers import Frontend, bind_call, principal
 from . import openai_api, openai_reply
-from .servicers import Frontend, bind_call, principal
 
 log = structlog.get_logger(__name__)
 # Levels a body may add around a schema or tool parameters (tools[i].function.parameters).

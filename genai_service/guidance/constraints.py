@@ -49,11 +49,11 @@ from llguidance.numpy import fill_next_token_bitmask_par
 from genai_common import bounded_json
 from genai_common.errors import InvalidArgument
 
+from ..contract.request import Constraint
 from . import constraint_limits
-from .request import Constraint
 
 if TYPE_CHECKING:
-    from .sequence import Sequence as Seq
+    from ..engine.sequence import Sequence as Seq
 
 log = structlog.get_logger(__name__)
 

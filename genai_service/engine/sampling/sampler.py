@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from genai_service.engine.request import SamplingParams
+from genai_service.contract.request import SamplingParams
 
 from . import sampler_kernels as kernels
 from .sampler_kernels import DRAW_BLOCK, NO_IDS, NO_VALS

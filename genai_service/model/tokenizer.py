@@ -21,13 +21,13 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from genai_common import bounded_json
 from genai_common.errors import InvalidArgument, ModelLoadError
-from genai_service.engine.model_config import (
+from genai_service.model.model_config import (
     TOKENIZER_CONFIG_FILE,
     find_chat_template,
     read_json,
     special_token_text,
 )
-from genai_service.engine.model_dir import TOKENIZER_FILE, ModelSpec
+from genai_service.model.model_dir import TOKENIZER_FILE, ModelSpec
 
 
 class Tokenizer:
