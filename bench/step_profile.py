@@ -34,8 +34,8 @@ from typing import Any
 from genai_service.config import EngineConfig, RunnerConfig, SchedulerConfig
 from genai_service.contract.protocol import Outputs
 from genai_service.contract.request import GenerationRequest, StoppingCriteria
-from genai_service.engine.text import detokenizer, stops, text_output
 from genai_service.engine.engine import LLMEngine
+from genai_service.engine.text import detokenizer, stops, text_output
 
 
 class Probes:

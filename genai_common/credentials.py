@@ -12,6 +12,9 @@ from pathlib import Path
 
 import grpc
 
+# The shortest secret that keys a MAC (the KV integrity secret): 256 bits.
+MIN_SECRET_BYTES = 32
+
 
 def read_secret_file(path: str, what: str) -> str:
     """The contents of ``path`` with surrounding whitespace stripped; ``what``

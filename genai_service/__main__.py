@@ -12,7 +12,7 @@ from typing import Any
 
 import structlog
 
-from genai_common.credentials import read_secret_file
+from genai_common.credentials import MIN_SECRET_BYTES, read_secret_file
 from genai_common.logging import configure_logging
 from kvstore.protocol import AUTH_TOKEN_ENV
 
@@ -28,7 +28,6 @@ from .config import (
     SessionConfig,
     SpeculationConfig,
 )
-from .engine.kv.kv_integrity import MIN_SECRET_BYTES
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -10,7 +10,7 @@ import dataclasses
 import secrets
 from dataclasses import dataclass, field
 
-from .engine.kv.kv_integrity import MIN_SECRET_BYTES
+from genai_common.credentials import MIN_SECRET_BYTES
 
 
 def _positive(name: str, value: int | float) -> None:

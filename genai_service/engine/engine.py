@@ -31,6 +31,7 @@ from ..contract.request import (
     TokenLogprob,
     merge_outputs,
 )
+from ..contract.sessions import SessionInfo, SessionPage
 from ..guidance.constraints import Guidance
 from ..model.model_dir import ModelSpec, load_model_spec
 from ..model.tokenizer import Tokenizer
@@ -44,7 +45,7 @@ from .sampling.speculation import Speculation
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import SeqStatus, Sequence, new_sequence
 from .sessions.restores import HeldOutputs, ParkedRequests, PendingCall, SessionCalls
-from .sessions.sessions import Session, SessionInfo, SessionPage, SessionTable
+from .sessions.sessions import Session, SessionTable
 from .validation import resolve_max_new_tokens, validate_request
 
 log = structlog.get_logger(__name__)

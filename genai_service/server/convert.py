@@ -24,7 +24,7 @@ from ..contract.request import (
     TokenLogprob,
     merge_outputs,
 )
-from ..engine.sessions.sessions import SessionInfo
+from ..contract.sessions import SessionInfo
 from ..model.tokenizer import Tokenizer
 from .tools import ToolUse
 

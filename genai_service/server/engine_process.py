@@ -58,8 +58,8 @@ from ..contract.protocol import (
     ToEngine,
 )
 from ..contract.request import GenerationRequest, RequestOutput, merge_outputs
+from ..contract.sessions import SessionInfo, SessionPage
 from ..engine.process_main import engine_main
-from ..engine.sessions.sessions import SessionInfo, SessionPage
 
 log = structlog.get_logger(__name__)
 

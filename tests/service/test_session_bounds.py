@@ -33,7 +33,8 @@ from genai_service.config import (
     ServerConfig,
     SessionConfig,
 )
-from genai_service.engine.sessions.sessions import Session, SessionInfo, listed_bytes
+from genai_service.contract.sessions import SessionInfo
+from genai_service.engine.sessions.sessions import Session, listed_bytes
 from genai_service.server import convert
 from tests.kvstore_harness import KvStoreProcess
 from tests.server_harness import ServerThread, free_port

@@ -13,6 +13,7 @@ import typing
 import pytest
 
 from genai_common.errors import GenAIError, Internal, InvalidArgument, NotFound, Unavailable
+from genai_service.contract import protocol
 from genai_service.contract.protocol import (
     AbortRequest,
     AddRequest,
@@ -42,8 +43,7 @@ from genai_service.contract.request import (
     TopLogprob,
     Usage,
 )
-from genai_service.contract import protocol
-from genai_service.engine.sessions.sessions import SessionInfo, SessionPage
+from genai_service.contract.sessions import SessionInfo, SessionPage
 
 # What the frontend imports to talk to the engine and convert its types, and
 # the engine's bookkeeping that is unit-tested without a model.

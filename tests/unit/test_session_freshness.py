@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from genai_common.errors import NotFound
-from genai_service.engine.sessions import restores
 from genai_service.engine.kv.kv_connector_memory import MemoryKvChunkStore
+from genai_service.engine.sessions import restores
 from genai_service.engine.sessions.restores import PendingCall, SessionCalls
 from genai_service.engine.sessions.sessions import Session, SessionTable
 

@@ -11,11 +11,11 @@ from genai_common.errors import (
     ResourceExhausted,
 )
 from genai_service.config import SESSION_LIST_PAGE_BYTES, SessionConfig
+from genai_service.contract.sessions import check_metadata
 from genai_service.engine.sessions.sessions import (
     DEFAULT_PAGE_SIZE,
     MAX_PAGE_SIZE,
     SessionTable,
-    check_metadata,
     listed_bytes,
 )
 

@@ -25,7 +25,8 @@ import hashlib
 import hmac
 import secrets
 
-MIN_SECRET_BYTES = 32
+from genai_common.credentials import MIN_SECRET_BYTES
+
 TAG_BYTES = 32
 KEY_ID_BYTES = 16
 

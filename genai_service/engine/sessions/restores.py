@@ -29,11 +29,10 @@ import structlog
 from genai_common.errors import GenAIError, Internal, PermissionDenied, ResourceExhausted
 
 from ...contract.request import FinishReason, GenerationRequest, RequestOutput, Usage
+from ...contract.sessions import SessionInfo, SessionPage
 from ..kv.kv_chunk_store import KvChunkStore
 from .sessions import (
     Session,
-    SessionInfo,
-    SessionPage,
     SessionTable,
     closed_record,
     is_session_id,

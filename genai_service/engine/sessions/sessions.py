@@ -12,8 +12,8 @@ be restored from it. The table never fetches records itself: the engine does,
 off its loop, and hands what arrives to ``adopt``.
 
 Metadata and listings are bounded (docs/design.md, "Sessions"):
-``check_metadata`` before a session is created, ``SessionTable.page`` for
-ListSessions.
+``check_metadata`` (contract/sessions.py, which the frontend checks too)
+before a session is created, ``SessionTable.page`` for ListSessions.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import re
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +35,8 @@ import structlog
 
 from genai_common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 
-from ...config import SESSION_LIST_PAGE_BYTES, SessionConfig
+from ...config import SESSION_LIST_PAGE_BYTES
+from ...contract.sessions import SessionInfo
 from ..kv.prefix_cache import kv_nbytes
 
 log = structlog.get_logger(__name__)
@@ -81,66 +82,9 @@ class Session:
         return not self.committing
 
 
-@dataclass(frozen=True)
-class SessionInfo:
-    """A snapshot of a session, safe to hand across process boundaries."""
-
-    session_id: str
-    created_at: float
-    last_used_at: float
-    idle_ttl_s: float
-    history_tokens: int
-    turns: int
-    busy: bool
-    metadata: dict[str, str] = field(default_factory=dict)
-    last_token_id: int | None = None  # lets the frontend continue a chat template
-
-
-@dataclass(frozen=True)
-class SessionPage:
-    """One page of ListSessions: sessions oldest first, and the next page's token."""
-
-    sessions: list[SessionInfo]
-    next_page_token: str = ""  # "": the last page
-
-
 def not_found(session_id: str) -> NotFound:
     # Never say whether the id was unknown, expired or malformed (docs/design.md, "Status codes").
     return NotFound(f"session_id: no session {session_id[:64]!r}")
-
-
-def _key_label(key: str) -> str:
-    """How a metadata key appears in an error: quoted, cut at 32 characters."""
-    return repr(key[:32]) + ("…" if len(key) > 32 else "")
-
-
-def check_metadata(metadata: Mapping[str, str], limits: SessionConfig) -> None:
-    """Raise ``InvalidArgument`` unless CreateSession ``metadata`` is within
-    ``limits`` (entries, UTF-8 bytes per key, per value and in all). Counts
-    entries before reading any, so a huge map costs nothing more."""
-    if len(metadata) > limits.max_metadata_entries:
-        raise InvalidArgument(
-            f"metadata: {len(metadata)} entries; at most {limits.max_metadata_entries} allowed"
-        )
-    total = 0
-    for key, value in metadata.items():
-        key_bytes, value_bytes = len(key.encode()), len(value.encode())
-        if key_bytes > limits.max_metadata_key_bytes:
-            raise InvalidArgument(
-                f"metadata: key {_key_label(key)} is {key_bytes} bytes; "
-                f"at most {limits.max_metadata_key_bytes} allowed"
-            )
-        if value_bytes > limits.max_metadata_value_bytes:
-            raise InvalidArgument(
-                f"metadata[{_key_label(key)}]: value is {value_bytes} bytes; "
-                f"at most {limits.max_metadata_value_bytes} allowed"
-            )
-        total += key_bytes + value_bytes
-    if total > limits.max_metadata_bytes:
-        raise InvalidArgument(
-            f"metadata: {total} bytes of keys and values; "
-            f"at most {limits.max_metadata_bytes} allowed"
-        )
 
 
 def listed_bytes(session: Session) -> int:
