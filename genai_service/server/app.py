@@ -29,7 +29,8 @@ from ..model.model_dir import load_model_spec
 from ..model.tokenizer import Tokenizer
 from .constraint_checker import ConstraintChecker
 from .engine_process import EngineProcess
-from .grpc_api.servicers import Frontend, GenerateServicer, ModelServicer, SessionServicer
+from .frontend import Frontend
+from .grpc_api.servicers import GenerateServicer, ModelServicer, SessionServicer
 from .http_api.http_gateway import HttpGateway
 from .metrics import Metrics
 

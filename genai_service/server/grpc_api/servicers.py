@@ -7,22 +7,17 @@ binds a request id to every log line of the call.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import contextvars
-import dataclasses
 import functools
-import hmac
 import inspect
 import time
-import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 import structlog
 
 from genai_common.decoding import Undecodable
-from genai_common.errors import GenAIError, Internal, InvalidArgument, Unauthenticated, Unavailable
+from genai_common.errors import GenAIError, Internal, InvalidArgument, Unavailable
 from genai_common.status import abort, rpc_status_of
 from genai_proto.genai.v1 import (
     generate_pb2,
@@ -33,171 +28,11 @@ from genai_proto.genai.v1 import (
     session_pb2_grpc,
 )
 
-from ...contract.request import Constraint, GenerationRequest, RequestOutput
-from ...engine.sessions.sessions import SessionInfo, check_metadata
-from ...model.tokenizer import Tokenizer
+from ...contract.sessions import check_metadata
 from .. import convert
-from ..constraint_checker import ConstraintChecker
-from ..engine_process import EngineProcess
-from ..metrics import Metrics
-from ..tools import ToolUse, tool_use
+from ..frontend import Frontend, bind_call, principal, set_principal
 
 log = structlog.get_logger(__name__)
-
-# The authenticated caller of the RPC being served (set by ``rpc``; per task).
-_principal: contextvars.ContextVar[str] = contextvars.ContextVar("principal", default="")
-
-
-class Frontend:
-    """What every servicer shares: the engine handle, the tokenizer, limits, draining."""
-
-    def __init__(
-        self,
-        engine: EngineProcess,
-        tokenizer: Tokenizer,
-        max_input_chars: int,
-        auth_tokens: tuple[tuple[str, str], ...] = (),
-        metrics: Metrics | None = None,
-        stream_interval: int = 1,
-        checker: ConstraintChecker | None = None,
-        max_constraint_bytes: int = 65_536,
-    ) -> None:
-        self.engine = engine
-        # Constraints and tool schemas are compiled there before the engine
-        # sees them; None: by the engine alone (a crash there costs every stream).
-        self.checker = checker
-        self.max_constraint_bytes = max_constraint_bytes
-        self.stream_interval = stream_interval  # ServerConfig.stream_interval
-        self.metrics = metrics or Metrics()
-        self.auth_tokens = auth_tokens
-        self.tokenizer = tokenizer
-        self.max_input_chars = max_input_chars
-        self.draining = False
-        self.inflight = 0  # generations running (a drain waits for them)
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    @contextlib.contextmanager
-    def tracking(self) -> Any:
-        self.inflight += 1
-        self._idle.clear()
-        try:
-            yield
-        finally:
-            self.inflight -= 1
-            if not self.inflight:
-                self._idle.set()
-
-    async def drained(self, timeout_s: float) -> bool:
-        """Wait (at most ``timeout_s``) until no generation runs; whether none does."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        return not self.inflight
-
-    def authenticate(self, authorization: str) -> str:
-        """The principal behind an ``authorization: Bearer <token>`` header (gRPC
-        metadata or HTTP header, the same tokens); "" when auth is off."""
-        if not self.auth_tokens:
-            return ""
-        scheme, _, token = authorization.partition(" ")
-        if scheme.lower() == "bearer" and token:
-            for known, principal in self.auth_tokens:
-                if hmac.compare_digest(known.encode(), token.encode()):
-                    return principal
-        raise Unauthenticated("authorization: a valid 'Bearer <token>' is required")
-
-    def check_serving(self) -> None:
-        if self.draining:
-            raise Unavailable("the server is shutting down; retry on another replica")
-
-    def admit(self, authorization: str) -> None:
-        """Admit a call on either plane: credentials first (an anonymous caller
-        learns nothing else), then whether the server takes new calls. The
-        principal holds for the rest of the call's task (``principal()``)."""
-        _principal.set(self.authenticate(authorization))
-        self.check_serving()
-
-    async def build_request(
-        self, request: generate_pb2.GenerateRequest, session: SessionInfo | None = None
-    ) -> tuple[GenerationRequest, ToolUse | None]:
-        """The engine's request, and the tools it offers (None: no tools).
-        ``session``: the request's session as a caller has just read it."""
-        use = tool_use(request, self.max_constraint_bytes)  # INVALID_ARGUMENT before other work
-        if request.session_id and session is None:
-            # NOT_FOUND for an unknown session comes from here, before any work.
-            session = await self.engine.get_session(request.session_id, _principal.get())
-        ids, _ = convert.prompt_token_ids(
-            request, self.tokenizer, self.max_input_chars, session, use
-        )
-        built = convert.generation_request(request, ids)
-        forced = use.constraint() if use is not None else None
-        await self.check_constraints(use, forced or built.constraint, forced is not None)
-        return (
-            dataclasses.replace(
-                built, principal=_principal.get(), constraint=forced or built.constraint
-            ),
-            use,
-        )
-
-    async def check_constraints(
-        self, use: ToolUse | None, constraint: Constraint | None, forced: bool
-    ) -> None:
-        """Refuse, before the engine sees them, a tool schema or a constraint
-        that llguidance cannot compile or match (the constraint checker's
-        process; docs/design.md, "Structured output")."""
-        if self.checker is None:
-            return
-        checks = use.schema_checks() if use is not None else []
-        if constraint is not None:
-            checks.append((constraint, "tools" if forced else ""))
-        for each, field in checks:
-            await self.checker.check(each, field)
-
-    async def outputs(self, request: Any, stream_interval: int = 1) -> AsyncIterator[RequestOutput]:
-        m = self.metrics
-        started = time.monotonic()
-        first = True
-        with self.tracking(), m.inflight.track_inprogress():
-            stream = self.engine.generate(request, stream_interval)
-            async with contextlib.aclosing(stream):
-                async for out in stream:
-                    if first and out.token_ids:
-                        m.ttft.observe(time.monotonic() - started)
-                        first = False
-                    if out.finished and out.usage is not None:
-                        u = out.usage
-                        m.observe_usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens)
-                    yield out
-
-    async def events(
-        self, request: generate_pb2.GenerateRequest, session: SessionInfo | None = None
-    ) -> AsyncGenerator[generate_pb2.Delta | generate_pb2.Final, None]:
-        """A request's stream events: a Delta per output with tokens or
-        text, then one Final (shared by GenerateStream, GenerateBidi and the
-        HTTP gateway, which passes the ``session`` it has read already)."""
-        outputs: list[RequestOutput] = []
-        built, use = await self.build_request(request, session)
-        async for out in self.outputs(built, self.stream_interval):
-            outputs.append(out)
-            if out.token_ids or out.text:
-                yield convert.delta(out)
-            if out.finished:
-                yield convert.final(outputs, use)
-
-
-def principal() -> str:
-    """The authenticated caller of the call being served ("" when auth is off)."""
-    return _principal.get()
-
-
-def bind_call(name: str, request_id: str = "") -> str:
-    """Bind a call's log context; returns its request id. The one place a
-    request id is made: for a request that has none, and for the log lines of
-    a call without one (a GenerateBidi call's own)."""
-    rid = request_id or uuid.uuid4().hex
-    structlog.contextvars.clear_contextvars()
-    structlog.contextvars.bind_contextvars(request_id=rid, rpc=name)
-    return rid
 
 
 def _authorization(context: grpc.aio.ServicerContext) -> str:
@@ -308,7 +143,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         structlog.contextvars.clear_contextvars()
         structlog.contextvars.bind_contextvars(rpc="GenerateBidi")
         try:
-            _principal.set(self.fe.authenticate(_authorization(context)))
+            set_principal(self.fe.authenticate(_authorization(context)))
         except GenAIError as exc:
             await abort(context, exc)
         if self.fe.draining:
@@ -358,7 +193,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                         tasks[rid] = asyncio.create_task(run_one(rid, msg.start))
                 elif action == "cancel" and msg.cancel.request_id in tasks:
                     # The engine ends the request with a CANCELLED final event.
-                    self.fe.engine.abort(msg.cancel.request_id, _principal.get())
+                    self.fe.engine.abort(msg.cancel.request_id, principal())
 
         def failure() -> BaseException | None:
             return reader.exception() if reader.done() and not reader.cancelled() else None
@@ -400,28 +235,28 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
             ttl = float(request.idle_ttl_seconds)
         # Before anything reaches the engine (docs/design.md "Sessions").
         check_metadata(request.metadata, self.fe.engine.config.sessions)
-        info = await self.fe.engine.create_session(ttl, _principal.get(), dict(request.metadata))
+        info = await self.fe.engine.create_session(ttl, principal(), dict(request.metadata))
         return session_pb2.CreateSessionResponse(session=convert.session(info))
 
     @rpc
     async def GetSession(
         self, request: session_pb2.GetSessionRequest, context: grpc.aio.ServicerContext
     ) -> session_pb2.GetSessionResponse:
-        info = await self.fe.engine.get_session(request.session_id, _principal.get())
+        info = await self.fe.engine.get_session(request.session_id, principal())
         return session_pb2.GetSessionResponse(session=convert.session(info))
 
     @rpc
     async def ResetSession(
         self, request: session_pb2.ResetSessionRequest, context: grpc.aio.ServicerContext
     ) -> session_pb2.ResetSessionResponse:
-        info = await self.fe.engine.reset_session(request.session_id, _principal.get())
+        info = await self.fe.engine.reset_session(request.session_id, principal())
         return session_pb2.ResetSessionResponse(session=convert.session(info))
 
     @rpc
     async def CloseSession(
         self, request: session_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> session_pb2.CloseSessionResponse:
-        await self.fe.engine.close_session(request.session_id, _principal.get())
+        await self.fe.engine.close_session(request.session_id, principal())
         return session_pb2.CloseSessionResponse()
 
     @rpc
@@ -429,7 +264,7 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         self, request: session_pb2.ListSessionsRequest, context: grpc.aio.ServicerContext
     ) -> session_pb2.ListSessionsResponse:
         page = await self.fe.engine.list_sessions(
-            _principal.get(), request.page_size, request.page_token
+            principal(), request.page_size, request.page_token
         )
         return session_pb2.ListSessionsResponse(
             sessions=[convert.session(i) for i in page.sessions],

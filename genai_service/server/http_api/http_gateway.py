@@ -35,8 +35,8 @@ from genai_common.errors import GenAIError, Internal, InvalidArgument, Unavailab
 from genai_common.metadata import SESSION_ID_HEADER
 
 from ...config import ServerConfig
-from ...engine.sessions.sessions import check_metadata
-from ..grpc_api.servicers import Frontend, bind_call, principal
+from ...contract.sessions import check_metadata
+from ..frontend import Frontend, bind_call, principal
 from . import openai_api, openai_reply
 
 log = structlog.get_logger(__name__)
