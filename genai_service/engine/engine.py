@@ -37,15 +37,15 @@ from ..model.model_dir import ModelSpec, load_model_spec
 from ..model.tokenizer import Tokenizer
 from .in_process import InProcessDriver
 from .kv.kv_chunk_store import KvChunkStore
-from .kv.kv_reuse import KvReuse
+from .kv_reuse import KvReuse
 from .runner.model_runner import ModelRunner, StepItem
 from .runner.runners import create_runner
-from .sampling.sampling_rows import TokenPicker
-from .sampling.speculation import Speculation
+from .sampling_rows import TokenPicker
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import SeqStatus, Sequence, new_sequence
 from .sessions.restores import HeldOutputs, ParkedRequests, PendingCall, SessionCalls
 from .sessions.sessions import Session, SessionTable
+from .speculation import Speculation
 from .validation import resolve_max_new_tokens, validate_request
 
 log = structlog.get_logger(__name__)

@@ -37,7 +37,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import llguidance
 import numpy as np
@@ -49,13 +49,24 @@ from llguidance.numpy import fill_next_token_bitmask_par
 from genai_common import bounded_json
 from genai_common.errors import InvalidArgument
 
-from ..contract.request import Constraint
+from ..contract.request import Constraint, GenerationRequest
 from . import constraint_limits
 
-if TYPE_CHECKING:
-    from ..engine.sequence import Sequence as Seq
-
 log = structlog.get_logger(__name__)
+
+
+class Seq(Protocol):
+    """What ``Guidance`` reads of a running sequence (the engine's ``Sequence``)."""
+
+    @property
+    def seq_id(self) -> int: ...
+    @property
+    def matcher(self) -> llguidance.LLMatcher | None: ...
+    @property
+    def request(self) -> GenerationRequest: ...
+    @property
+    def output_ids(self) -> list[int]: ...
+
 
 KINDS = ("json_schema", "regex", "grammar", "choice", "json_object")
 # Compiled grammars kept (each one pristine matcher, typically tens of KiB).
@@ -345,11 +356,10 @@ class Guidance:
         (those about to pick a token), filled on the worker (llguidance
         releases the GIL) while the caller runs the model step: [vocab] bool
         arrays, True where a token is allowed. None when none is constrained."""
-        constrained = [s for s in seqs if s.matcher is not None]
-        if not constrained:
+        ids = [s.seq_id for s in seqs if s.matcher is not None]
+        matchers = [s.matcher for s in seqs if s.matcher is not None]
+        if not matchers:
             return None
-        ids = [s.seq_id for s in constrained]
-        matchers = [s.matcher for s in constrained]
         return self._worker.submit(lambda: dict(zip(ids, self.masks(matchers), strict=True)))
 
     @staticmethod

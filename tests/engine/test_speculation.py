@@ -19,7 +19,7 @@ from genai_service.contract.request import (
 from genai_service.engine.engine import LLMEngine
 from genai_service.engine.runner.model_runner import PastPresentRunner, StepItem
 from genai_service.engine.runner.shared_buffer_runner import SharedBufferRunner
-from genai_service.engine.sampling.speculation import MAX_BACKOFF_STEPS, PromptLookup
+from genai_service.engine.speculation import MAX_BACKOFF_STEPS, PromptLookup
 from genai_service.model.model_dir import load_model_spec
 from tests.tiny_model import encode_words, reference_logits
 

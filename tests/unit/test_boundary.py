@@ -58,9 +58,9 @@ WITHOUT_ORT = [
     "genai_service.engine.scheduler",
     "genai_service.engine.sequence",
     "genai_service.engine.text.text_output",
-    "genai_service.engine.sampling.sampling_rows",
-    "genai_service.engine.sampling.speculation",
-    "genai_service.engine.kv.kv_reuse",
+    "genai_service.engine.sampling_rows",
+    "genai_service.engine.speculation",
+    "genai_service.engine.kv_reuse",
 ]
 
 

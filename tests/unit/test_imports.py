@@ -217,3 +217,103 @@ def test_the_data_plane_hashes_blobs_in_one_module() -> None:
     graph = _graph(runtime_top_level=True)
     for module in ("kvstore.server", "kvstore.disk_tier", "kvstore.client"):
         assert "kvstore.checksum" in graph[module], module
+
+
+# -- inside genai_service (docs/design.md, "Map of the tree") -------------------------
+
+S = "genai_service"
+# Each part of genai_service: a subpackage, or a module directly in engine/ or
+# server/ (the loop's modules, the frontend's shared modules), or a top-level
+# module. What it may import of genai_service besides itself (prefixes; any
+# part may import genai_common and third-party code).
+SHARED = {f"{S}.config", f"{S}.contract", f"{S}.model"}
+PART_RULES: dict[str, set[str]] = {
+    f"{S}.config": set(),
+    f"{S}.contract": {f"{S}.config"},
+    f"{S}.model": {f"{S}.config", f"{S}.contract"},
+    f"{S}.guidance": SHARED,
+    # engine/'s subpackages: leaves first; none imports the loop above it.
+    f"{S}.engine.text": SHARED,
+    f"{S}.engine.sampling": SHARED | {f"{S}.guidance"},
+    f"{S}.engine.kv": SHARED | {"kvstore"},
+    f"{S}.engine.runner": SHARED | {f"{S}.engine.kv"},
+    f"{S}.engine.sessions": SHARED | {f"{S}.engine.kv"},
+    # The loop: engine/'s own modules, which compose the subpackages.
+    f"{S}.engine": SHARED | {f"{S}.guidance", f"{S}.engine", "kvstore"},
+    # The frontend: of the engine only the process's entry point.
+    f"{S}.server": SHARED | {f"{S}.guidance", f"{S}.engine.process_main", f"{S}.server", GENERATED},
+    f"{S}.server.grpc_api": SHARED | {f"{S}.server.frontend", f"{S}.server.convert", GENERATED},
+    f"{S}.server.http_api": SHARED | {f"{S}.server.frontend", f"{S}.server.convert", GENERATED},
+    f"{S}.convert": SHARED,
+    f"{S}.launcher": {f"{S}.config", "kvstore", "genai_client"},
+    f"{S}.__main__": {f"{S}.config", f"{S}.convert", f"{S}.server.app", "kvstore"},
+}
+SUBPACKAGES = {
+    name
+    for name, path in MODULES.items()
+    if name.startswith(S + ".") and path.name == "__init__.py"
+}
+
+
+def _part(module: str) -> str:
+    """The part ``module`` belongs to: its innermost subpackage below
+    genai_service's own (engine, server), else the module itself."""
+    parts = module.split(".")
+    for n in range(len(parts), 1, -1):
+        prefix = ".".join(parts[:n])
+        if prefix in SUBPACKAGES and prefix not in (f"{S}.engine", f"{S}.server"):
+            return prefix
+    return module
+
+
+def _rule(part: str) -> set[str]:
+    for n in range(part.count(".") + 1, 0, -1):
+        prefix = ".".join(part.split(".")[:n])
+        if prefix in PART_RULES:
+            return PART_RULES[prefix]
+    raise AssertionError(f"{part}: no rule in PART_RULES; add one")
+
+
+def _allowed(target: str, rule: set[str]) -> bool:
+    return any(target == p or target.startswith(p + ".") for p in rule)
+
+
+def _part_graph() -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for module, targets in _graph(runtime_top_level=False).items():
+        if not module.startswith(S + ".") and module != S:
+            continue
+        part = _part(module)
+        edges = out.setdefault(part, set())
+        for target in targets:
+            if target == GENERATED or target.startswith(S + "."):
+                other = _part(target) if target != GENERATED else GENERATED
+                if other != part:
+                    edges.add(other)
+            elif target.split(".")[0] in PACKAGES and target.split(".")[0] != "genai_common":
+                edges.add(target.split(".")[0])
+    return out
+
+
+def test_each_part_of_genai_service_imports_only_what_it_may() -> None:
+    """The layers inside genai_service, counting lazy and TYPE_CHECKING imports:
+    engine/'s subpackages never import the loop or each other upwards, and
+    nothing outside engine/ imports an engine module but the process's entry
+    point (the contract, model and guidance packages hold what they share)."""
+    wrong = {
+        f"{part} -> {target}"
+        for part, targets in _part_graph().items()
+        for target in targets
+        if not _allowed(target, _rule(part))
+    }
+    assert wrong == set()
+
+
+def test_the_parts_of_genai_service_import_in_no_circle() -> None:
+    assert _cycles(_part_graph()) == []
+
+
+def test_engine_and_server_hold_few_modules_directly() -> None:
+    for package in ("engine", "server"):
+        direct = sorted((ROOT / S / package).glob("*.py"))
+        assert len(direct) <= 10, (package, [p.name for p in direct])

@@ -10,8 +10,8 @@ from collections import Counter
 import numpy as np
 
 from genai_service.engine.kv.kv_connector_memory import MemoryKvChunkStore
-from genai_service.engine.kv.kv_reuse import KvReuse
 from genai_service.engine.kv.prefix_cache import KvLayers, chunk_keys, join_chunks, kv_nbytes
+from genai_service.engine.kv_reuse import KvReuse
 from genai_service.engine.sequence import Sequence
 from genai_service.engine.sessions.sessions import (
     Session,
@@ -77,7 +77,7 @@ def computed(runner: DictRunner, reuse: KvReuse) -> Sequence:
 
 
 def test_module_does_not_import_onnxruntime() -> None:
-    code = "import sys, genai_service.engine.kv.kv_reuse; print('onnxruntime' in sys.modules)"
+    code = "import sys, genai_service.engine.kv_reuse; print('onnxruntime' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -435,7 +435,7 @@ def test_a_masked_row_with_nothing_to_pick_keeps_to_its_mask(params: SamplingPar
     )
     assert out.token_ids.tolist() == [2, 1]
     # The greedy fast path of the engine picks the same.
-    from genai_service.engine.sampling.sampling_rows import greedy_pick
+    from genai_service.engine.sampling_rows import greedy_pick
 
     assert greedy_pick(logits[0], allowed) == 2
     assert greedy_pick(logits[1], np.zeros(6, dtype=bool)) == 1  # allows nothing: raw argmax

@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
-from ...config import SpeculationConfig
-from ...contract.request import RequestOutput, TokenLogprob, merge_outputs
-from ..sequence import SeqStatus
-from ..sequence import Sequence as Seq
+from ..config import SpeculationConfig
+from ..contract.request import RequestOutput, TokenLogprob, merge_outputs
 from .sampling_rows import TokenPicker
+from .sequence import SeqStatus
+from .sequence import Sequence as Seq
 
 if TYPE_CHECKING:
-    from ..runner.model_runner import ModelRunner
+    from .runner.model_runner import ModelRunner
 
 T = TypeVar("T")
 

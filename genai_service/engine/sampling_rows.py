@@ -14,10 +14,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from ...contract.request import SamplingParams, TokenLogprob, TopLogprob
-from ...guidance.constraints import Guidance
-from ..sequence import Sequence
-from . import sampler as sampling
+from ..contract.request import SamplingParams, TokenLogprob, TopLogprob
+from ..guidance.constraints import Guidance
+from .sampling import sampler as sampling
+from .sequence import Sequence
 
 _SAMPLING_DEFAULT_FIELDS = ("top_k", "top_p", "min_p", "repetition_penalty")
 

@@ -29,18 +29,18 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from .kv_chunk_store import KvChunkStore
-from .kv_connector import GrpcKvChunkStore
-from .kv_integrity import KvIntegrity
-from .prefix_cache import PrefixIndex, chunk_keys, make_namespace, scoped_namespace
+from .kv.kv_chunk_store import KvChunkStore
+from .kv.kv_connector import GrpcKvChunkStore
+from .kv.kv_integrity import KvIntegrity
+from .kv.prefix_cache import PrefixIndex, chunk_keys, make_namespace, scoped_namespace
 
 if TYPE_CHECKING:
-    from ...config import EngineConfig
-    from ...model.model_dir import ModelSpec
-    from ..runner.model_runner import ModelRunner
-    from ..sequence import Sequence
-    from ..sessions.sessions import Session
-    from .prefix_cache import KvLayers
+    from ..config import EngineConfig
+    from ..model.model_dir import ModelSpec
+    from .kv.prefix_cache import KvLayers
+    from .runner.model_runner import ModelRunner
+    from .sequence import Sequence
+    from .sessions.sessions import Session
 
 STORE_CHUNKS_PER_STEP = 2  # chunks of finished sequences copied out per busy step
 
