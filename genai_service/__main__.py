@@ -13,11 +13,18 @@ from typing import Any
 import structlog
 
 from genai_common.credentials import MIN_SECRET_BYTES, read_secret_file
+from genai_common.flags import (
+    TLS_FIELDS,
+    HelpFormatter,
+    add_auth_token_file,
+    add_flags,
+    add_logging_flags,
+    flag_values,
+)
 from genai_common.logging import configure_logging
 from kvstore.protocol import AUTH_TOKEN_ENV
 
 from .config import (
-    PREFIX_CACHE_SCOPES,
     CacheConfig,
     EngineConfig,
     KvStoreConfig,
@@ -29,286 +36,41 @@ from .config import (
     SpeculationConfig,
 )
 
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends "(default: X)" to a flag's help, except where there is no default."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False or action.help is None:
-            return action.help
-        return super()._get_help_string(action)
+# The engine's kvstore connection: --kvstore-timeout-s sets KvStoreConfig.timeout_s.
+KVSTORE_PREFIX = "kvstore_"
+KVSTORE_TLS_FIELDS = ("tls_ca_file", "tls_cert_file", "tls_key_file")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The flags of ``genai-server``. Each one that sets a config field is named
-    after it (``--max-parked-kv-bytes`` sets ``SessionConfig.max_parked_kv_bytes``)
-    and takes its default from the dataclass; older names stay as aliases."""
+    """The flags of ``genai-server``: each one that sets a config field is
+    declared with that field (config.py; ``genai_common.flags``), named after
+    it (``--max-parked-kv-bytes`` sets ``SessionConfig.max_parked_kv_bytes``),
+    with its default; older names stay as aliases. Only the flags that set no
+    single field (a file to read, a target that makes a ``KvStoreConfig``) are
+    written here."""
     p = argparse.ArgumentParser(
         prog="genai-server",
         description="LLM text generation on ONNX Runtime over gRPC",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument(
         "--model", required=True, help="model directory, or 'default' (SmolLM2-135M-Instruct)"
     )
-    p.add_argument("--host", default=ServerConfig.host, help="address to listen on")
-    p.add_argument(
-        "--port", type=int, metavar="P", default=ServerConfig.port, help="control-plane port"
-    )
-    p.add_argument(
-        "--log-format", choices=("console", "json"), default=ServerConfig.log_format, help="logs"
-    )
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=ServerConfig.metrics_port,
-        metavar="P",
-        help="serve Prometheus metrics at http://HOST:P/metrics",
-    )
-    p.add_argument(
-        "--http-port",
-        type=int,
-        default=ServerConfig.http_port,
-        metavar="P",
-        help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
-        "/v1/models, /health) on port P, with the same tokens and TLS as the control plane",
-    )
-    p.add_argument(
-        "--grace-period-s",
-        "--grace-period",
-        dest="grace_period_s",
-        type=float,
-        default=ServerConfig.grace_period_s,
-        metavar="S",
-        help="seconds in-flight streams may run after SIGTERM",
-    )
-    p.add_argument(
-        "--stream-interval",
-        type=int,
-        metavar="N",
-        default=ServerConfig.stream_interval,
-        help="coalesce up to N tokens per streamed message (a request's first token goes "
-        "out at once); fewer messages, less CPU per token, coarser streaming",
-    )
+    add_flags(p, ServerConfig, only=("host", "port"))
+    add_logging_flags(p, ServerConfig.log_format)
+    add_flags(p, ServerConfig, only=("metrics_port", "http_port", "grace_period_s"))
+    add_flags(p, ServerConfig, only=("stream_interval",))
     g = p.add_argument_group("engine")
-    g.add_argument(
-        "--intra-op-threads",
-        "--threads",
-        dest="intra_op_threads",
-        type=int,
-        metavar="N",
-        default=RunnerConfig.intra_op_threads,
-        help="ONNX Runtime intra-op threads (0: one per core)",
-    )
-    g.add_argument(
-        "--runner",
-        choices=("auto", "past_present", "shared_buffer"),
-        default=RunnerConfig.runner,
-        help="how the model runs",
-    )
-    g.add_argument(
-        "--max-context-length",
-        type=int,
-        metavar="N",
-        default=EngineConfig.max_context_length,
-        help="cap below the model's own context window",
-    )
-    g.add_argument(
-        "--max-num-seqs",
-        type=int,
-        metavar="N",
-        default=SchedulerConfig.max_num_seqs,
-        help="sequences decoded together",
-    )
-    g.add_argument(
-        "--max-num-batched-tokens",
-        "--max-batched-tokens",
-        dest="max_num_batched_tokens",
-        type=int,
-        metavar="N",
-        default=SchedulerConfig.max_num_batched_tokens,
-        help="prefill tokens per step",
-    )
-    g.add_argument(
-        "--max-queue",
-        type=int,
-        metavar="N",
-        default=SchedulerConfig.max_queue,
-        help="waiting requests before RESOURCE_EXHAUSTED",
-    )
-    g.add_argument(
-        "--kv-chunk-size",
-        type=int,
-        metavar="N",
-        default=CacheConfig.chunk_size,
-        help="tokens per KV chunk (prefix reuse)",
-    )
-    g.add_argument(
-        "--prefix-cache-bytes",
-        type=int,
-        metavar="N",
-        default=CacheConfig.prefix_cache_bytes,
-        help="in-process prefix cache (LRU by bytes; 0: off)",
-    )
-    g.add_argument(
-        "--prefix-cache-scope",
-        choices=PREFIX_CACHE_SCOPES,
-        default=CacheConfig.prefix_cache_scope,
-        help="who shares reused prompt KV: every request, or only one principal's "
-        "(default: principal when --auth-token-file/GENAI_AUTH_TOKEN is set, else global)",
-    )
-    g.add_argument(
-        "--default-max-new-tokens",
-        type=int,
-        metavar="N",
-        default=LimitsConfig.default_max_new_tokens,
-        help="max_new_tokens of a request that sets none",
-    )
-    g.add_argument(
-        "--max-new-tokens-limit",
-        type=int,
-        metavar="N",
-        default=LimitsConfig.max_new_tokens_limit,
-        help="largest max_new_tokens a request may ask for",
-    )
-    g.add_argument(
-        "--max-constraint-bytes",
-        type=int,
-        metavar="N",
-        default=LimitsConfig.max_constraint_bytes,
-        help="largest structured-output constraint (schema, regex, grammar or choices), "
-        "in UTF-8 bytes; also the most the tools' parameter schemas of one request may hold",
-    )
-    g.add_argument(
-        "--constraint-check-workers",
-        type=int,
-        metavar="N",
-        default=ServerConfig.constraint_check_workers,
-        help="processes that compile and try out constraints and tool schemas before "
-        "the engine sees them",
-    )
-    g.add_argument(
-        "--constraint-check-timeout-ms",
-        type=int,
-        metavar="MS",
-        default=ServerConfig.constraint_check_timeout_ms,
-        help="a constraint whose check takes longer is refused (INVALID_ARGUMENT)",
-    )
-    g.add_argument(
-        "--speculate",
-        type=int,
-        default=SpeculationConfig.num_tokens,
-        metavar="N",
-        help="prompt-lookup speculative decoding: draft N tokens per step (0: off)",
-    )
-    g.add_argument(
-        "--speculate-max-batch",
-        type=int,
-        default=SpeculationConfig.max_batch,
-        metavar="N",
-        help="speculate only while at most N sequences decode",
-    )
-    s = p.add_argument_group("sessions")
-    s.add_argument(
-        "--max-sessions",
-        type=int,
-        metavar="N",
-        default=SessionConfig.max_sessions,
-        help="sessions held in memory",
-    )
-    s.add_argument(
-        "--idle-ttl-s",
-        "--session-ttl",
-        dest="idle_ttl_s",
-        type=float,
-        default=SessionConfig.idle_ttl_s,
-        metavar="S",
-        help="a session idle this long is closed",
-    )
-    s.add_argument(
-        "--max-parked-kv-bytes",
-        "--session-kv-bytes",
-        dest="max_parked_kv_bytes",
-        type=int,
-        metavar="N",
-        default=SessionConfig.max_parked_kv_bytes,
-        help="host memory for parked sessions' KV (LRU beyond it is recomputed)",
-    )
-    s.add_argument(
-        "--max-metadata-entries",
-        "--session-metadata-entries",
-        dest="max_metadata_entries",
-        type=int,
-        default=SessionConfig.max_metadata_entries,
-        metavar="N",
-        help="most metadata entries a CreateSession may carry",
-    )
-    s.add_argument(
-        "--max-metadata-key-bytes",
-        "--session-metadata-key-bytes",
-        dest="max_metadata_key_bytes",
-        type=int,
-        default=SessionConfig.max_metadata_key_bytes,
-        metavar="N",
-        help="largest session metadata key (UTF-8 bytes)",
-    )
-    s.add_argument(
-        "--max-metadata-value-bytes",
-        "--session-metadata-value-bytes",
-        dest="max_metadata_value_bytes",
-        type=int,
-        default=SessionConfig.max_metadata_value_bytes,
-        metavar="N",
-        help="largest session metadata value (UTF-8 bytes)",
-    )
-    s.add_argument(
-        "--max-metadata-bytes",
-        "--session-metadata-bytes",
-        dest="max_metadata_bytes",
-        type=int,
-        default=SessionConfig.max_metadata_bytes,
-        metavar="N",
-        help="largest session metadata in all, keys and values (UTF-8 bytes)",
-    )
-    s.add_argument(
-        "--max-record-fetches",
-        "--session-max-record-fetches",
-        dest="max_record_fetches",
-        type=int,
-        default=SessionConfig.max_record_fetches,
-        metavar="N",
-        help="session records fetched from the kvstore at once; more is RESOURCE_EXHAUSTED",
-    )
+    for part in (RunnerConfig, EngineConfig, SchedulerConfig, CacheConfig, LimitsConfig):
+        add_flags(g, part)
+    add_flags(g, ServerConfig, only=("constraint_check_workers", "constraint_check_timeout_ms"))
+    add_flags(g, SpeculationConfig)
+    add_flags(p.add_argument_group("sessions"), SessionConfig)
     a = p.add_argument_group("security")
-    a.add_argument(
-        "--auth-token-file",
-        default=None,
-        metavar="PATH",
-        help="bearer tokens, one 'PRINCIPAL TOKEN' per line (env GENAI_AUTH_TOKEN: one token)",
+    add_auth_token_file(
+        a, "bearer tokens, one 'PRINCIPAL TOKEN' per line (env GENAI_AUTH_TOKEN: one token)"
     )
-    a.add_argument(
-        "--tls-cert-file",
-        "--tls-cert",
-        dest="tls_cert_file",
-        default=ServerConfig.tls_cert_file,
-        metavar="PEM",
-        help="serve TLS (with --tls-key-file)",
-    )
-    a.add_argument(
-        "--tls-key-file",
-        "--tls-key",
-        dest="tls_key_file",
-        default=ServerConfig.tls_key_file,
-        metavar="PEM",
-    )
-    a.add_argument(
-        "--tls-client-ca-file",
-        "--tls-client-ca",
-        dest="tls_client_ca_file",
-        default=ServerConfig.tls_client_ca_file,
-        metavar="PEM",
-        help="require client certificates",
-    )
+    add_flags(a, ServerConfig, only=TLS_FIELDS)
     k = p.add_argument_group("kvstore (data plane)")
     k.add_argument(
         "--kvstore",
@@ -316,15 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="share KV chunks and session records through this genai-kvstore",
     )
-    k.add_argument(
-        "--kvstore-timeout-s",
-        "--kvstore-timeout",
-        dest="kvstore_timeout_s",
-        type=float,
-        default=KvStoreConfig.timeout_s,
-        metavar="S",
-        help="a kvstore fetch slower than this is a cache miss",
-    )
+    add_flags(k, KvStoreConfig, KVSTORE_PREFIX, only=("timeout_s",))
     k.add_argument(
         "--kvstore-auth-token-file",
         default=None,
@@ -332,35 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the data-plane bearer token (env GENAI_KVSTORE_AUTH_TOKEN); required with "
         "--kvstore unless --kvstore-insecure",
     )
-    k.add_argument(
-        "--kvstore-insecure",
-        action="store_true",
-        default=KvStoreConfig.insecure,
-        help="send no data-plane token (for a genai-kvstore started with --insecure)",
-    )
-    k.add_argument(
-        "--kvstore-tls-ca-file",
-        "--kvstore-tls-ca",
-        dest="kvstore_tls_ca_file",
-        default=KvStoreConfig.tls_ca_file,
-        metavar="PEM",
-        help="kvstore over TLS",
-    )
-    k.add_argument(
-        "--kvstore-tls-cert-file",
-        "--kvstore-tls-cert",
-        dest="kvstore_tls_cert_file",
-        default=KvStoreConfig.tls_cert_file,
-        metavar="PEM",
-        help="client certificate",
-    )
-    k.add_argument(
-        "--kvstore-tls-key-file",
-        "--kvstore-tls-key",
-        dest="kvstore_tls_key_file",
-        default=KvStoreConfig.tls_key_file,
-        metavar="PEM",
-    )
+    add_flags(k, KvStoreConfig, KVSTORE_PREFIX, only=("insecure", *KVSTORE_TLS_FIELDS))
     k.add_argument(
         "--kv-integrity-key-file",
         default=None,
@@ -396,12 +122,8 @@ def kvstore_config(args: argparse.Namespace) -> KvStoreConfig | None:
         token = os.environ.get(AUTH_TOKEN_ENV) or None
     return KvStoreConfig(
         args.kvstore,
-        timeout_s=args.kvstore_timeout_s,
         auth_token=token,
-        insecure=args.kvstore_insecure,
-        tls_ca_file=args.kvstore_tls_ca_file,
-        tls_cert_file=args.kvstore_tls_cert_file,
-        tls_key_file=args.kvstore_tls_key_file,
+        **flag_values(args, KvStoreConfig, KVSTORE_PREFIX),
         **options,
     )
 
@@ -425,53 +147,21 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             tokens.append((fields[1], fields[0]))
     engine = EngineConfig(
         model_dir=model_dir,
-        runner=RunnerConfig(intra_op_threads=args.intra_op_threads, runner=args.runner),
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_queue=args.max_queue,
-        ),
-        cache=CacheConfig(
-            chunk_size=args.kv_chunk_size,
-            prefix_cache_bytes=args.prefix_cache_bytes,
-            prefix_cache_scope=args.prefix_cache_scope,  # None: ServerConfig picks by auth
-        ),
-        sessions=SessionConfig(
-            max_sessions=args.max_sessions,
-            idle_ttl_s=args.idle_ttl_s,
-            max_parked_kv_bytes=args.max_parked_kv_bytes,
-            max_metadata_entries=args.max_metadata_entries,
-            max_metadata_key_bytes=args.max_metadata_key_bytes,
-            max_metadata_value_bytes=args.max_metadata_value_bytes,
-            max_metadata_bytes=args.max_metadata_bytes,
-            max_record_fetches=args.max_record_fetches,
-        ),
-        limits=LimitsConfig(
-            default_max_new_tokens=args.default_max_new_tokens,
-            max_new_tokens_limit=args.max_new_tokens_limit,
-            max_constraint_bytes=args.max_constraint_bytes,
-        ),
-        speculation=SpeculationConfig(
-            num_tokens=args.speculate, max_batch=args.speculate_max_batch
-        ),
-        max_context_length=args.max_context_length,
+        runner=RunnerConfig(**flag_values(args, RunnerConfig)),
+        scheduler=SchedulerConfig(**flag_values(args, SchedulerConfig)),
+        # prefix_cache_scope None: ServerConfig picks it by auth.
+        cache=CacheConfig(**flag_values(args, CacheConfig)),
+        sessions=SessionConfig(**flag_values(args, SessionConfig)),
+        limits=LimitsConfig(**flag_values(args, LimitsConfig)),
+        speculation=SpeculationConfig(**flag_values(args, SpeculationConfig)),
         kvstore=kvstore_config(args),
+        **flag_values(args, EngineConfig),
     )
     return ServerConfig(
-        auth_tokens=tuple(tokens),
-        metrics_port=args.metrics_port,
-        http_port=args.http_port,
-        tls_cert_file=args.tls_cert_file,
-        tls_key_file=args.tls_key_file,
-        tls_client_ca_file=args.tls_client_ca_file,
         engine=engine,
-        host=args.host,
-        port=args.port,
-        grace_period_s=args.grace_period_s,
+        auth_tokens=tuple(tokens),
         log_format=args.log_format,
-        stream_interval=args.stream_interval,
-        constraint_check_workers=args.constraint_check_workers,
-        constraint_check_timeout_ms=args.constraint_check_timeout_ms,
+        **flag_values(args, ServerConfig),
     )
 
 

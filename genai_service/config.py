@@ -1,7 +1,10 @@
 """Configuration: frozen dataclasses, validated on construction.
 
-Environment variables and command-line flags are read in exactly one place
-(the ``__main__`` of each entry point); nothing here reads them.
+A field that a ``genai-server`` flag sets declares the flag beside it
+(``genai_common.flags.flag``: help, aliases, metavar, choices); the parser is
+generated from these fields. Environment variables and command-line flags are
+read in exactly one place (the ``__main__`` of each entry point); nothing here
+reads them.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from genai_common.credentials import MIN_SECRET_BYTES
+from genai_common.flags import flag, tls_server_fields
 
 
 def _positive(name: str, value: int | float) -> None:
@@ -18,17 +22,25 @@ def _positive(name: str, value: int | float) -> None:
         raise ValueError(f"{name} must be > 0, got {value}")
 
 
+RUNNERS = ("auto", "past_present", "shared_buffer")
+
+
 @dataclass(frozen=True)
 class RunnerConfig:
     """How ONNX Runtime runs the model."""
 
-    intra_op_threads: int = 0  # 0: ONNX Runtime's default (one per core)
-    runner: str = "auto"  # "auto" | "past_present" | "shared_buffer"
+    intra_op_threads: int = flag(
+        0,
+        help="ONNX Runtime intra-op threads (0: one per core)",
+        aliases=["--threads"],
+        metavar="N",
+    )
+    runner: str = flag("auto", help="how the model runs", choices=RUNNERS)
 
     def __post_init__(self) -> None:
         if self.intra_op_threads < 0:
             raise ValueError(f"intra_op_threads must be >= 0, got {self.intra_op_threads}")
-        if self.runner not in ("auto", "past_present", "shared_buffer"):
+        if self.runner not in RUNNERS:
             raise ValueError(
                 f"runner must be one of auto, past_present, shared_buffer; got {self.runner!r}"
             )
@@ -38,9 +50,11 @@ class RunnerConfig:
 class SchedulerConfig:
     """Continuous batching limits."""
 
-    max_num_seqs: int = 8  # sequences decoding together
-    max_num_batched_tokens: int = 512  # prefill tokens per step (chunked prefill budget)
-    max_queue: int = 256  # waiting requests before RESOURCE_EXHAUSTED
+    max_num_seqs: int = flag(8, help="sequences decoded together", metavar="N")
+    max_num_batched_tokens: int = flag(  # the chunked-prefill budget
+        512, help="prefill tokens per step", aliases=["--max-batched-tokens"], metavar="N"
+    )
+    max_queue: int = flag(256, help="waiting requests before RESOURCE_EXHAUSTED", metavar="N")
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
@@ -64,8 +78,18 @@ class SpeculationConfig:
     near-ties the other way (docs/design.md, "Speculative decoding").
     """
 
-    num_tokens: int = 0  # draft tokens per step (genai-server --speculate), 0..MAX_DRAFT_TOKENS
-    max_batch: int = 1  # speculate only while this many sequences or fewer decode
+    num_tokens: int = flag(  # 0..MAX_DRAFT_TOKENS
+        0,
+        name="speculate",
+        help="prompt-lookup speculative decoding: draft N tokens per step (0: off)",
+        metavar="N",
+    )
+    max_batch: int = flag(
+        1,
+        name="speculate-max-batch",
+        help="speculate only while at most N sequences decode",
+        metavar="N",
+    )
     ngram_max: int = 3
     ngram_min: int = 1
 
@@ -89,14 +113,23 @@ PREFIX_CACHE_SCOPES = ("global", "principal")
 class CacheConfig:
     """In-process prefix reuse (docs/design.md, "KV chunk contract")."""
 
-    chunk_size: int = 256  # tokens per KV chunk (genai-server --kv-chunk-size)
-    prefix_cache_bytes: int = 256 * 1024 * 1024  # LRU bound; 0 disables prefix reuse
+    chunk_size: int = flag(
+        256, name="kv-chunk-size", help="tokens per KV chunk (prefix reuse)", metavar="N"
+    )
+    prefix_cache_bytes: int = flag(
+        256 * 1024 * 1024, help="in-process prefix cache (LRU by bytes; 0: off)", metavar="N"
+    )
     # Who shares reused prefixes (genai-server --prefix-cache-scope): "global",
     # every request; "principal", only requests of the same caller (reuse is
     # a timing side channel: one tenant could probe another's prompts). None:
     # "principal" when the server has auth tokens (ServerConfig resolves it),
     # else "global".
-    prefix_cache_scope: str | None = None
+    prefix_cache_scope: str | None = flag(
+        None,
+        help="who shares reused prompt KV: every request, or only one principal's "
+        "(default: principal when --auth-token-file/GENAI_AUTH_TOKEN is set, else global)",
+        choices=PREFIX_CACHE_SCOPES,
+    )
 
     def __post_init__(self) -> None:
         _positive("chunk_size", self.chunk_size)
@@ -120,27 +153,59 @@ SESSION_LIST_PAGE_BYTES = 1024 * 1024
 
 @dataclass(frozen=True)
 class SessionConfig:
-    max_sessions: int = 64
-    idle_ttl_s: float = 900.0
+    max_sessions: int = flag(64, help="sessions held in memory", metavar="N")
+    idle_ttl_s: float = flag(
+        900.0, help="a session idle this long is closed", aliases=["--session-ttl"], metavar="S"
+    )
     # Host memory for the KV of sessions parked between turns; past it the least
     # recently used parked KV is dropped (that session's next turn recomputes
     # its history, or fetches it from the kvstore).
-    max_parked_kv_bytes: int = 1024**3
+    max_parked_kv_bytes: int = flag(
+        1024**3,
+        help="host memory for parked sessions' KV (LRU beyond it is recomputed)",
+        aliases=["--session-kv-bytes"],
+        metavar="N",
+    )
     # CreateSession metadata limits (docs/design.md, "Sessions"). Metadata are
     # labels (a user id, a conversation id), not documents: a few dozen short
     # entries. Every session's metadata is held in the engine, written into
     # its kvstore record on every turn and returned by GetSession and
     # ListSessions, so the total is what bounds memory per session and the
     # size of a record and of a listing page.
-    max_metadata_entries: int = 64
-    max_metadata_key_bytes: int = 256  # UTF-8 bytes of one key
-    max_metadata_value_bytes: int = 4096  # UTF-8 bytes of one value
-    max_metadata_bytes: int = 16 * 1024  # all keys and values together
+    max_metadata_entries: int = flag(
+        64,
+        help="most metadata entries a CreateSession may carry",
+        aliases=["--session-metadata-entries"],
+        metavar="N",
+    )
+    max_metadata_key_bytes: int = flag(
+        256,
+        help="largest session metadata key (UTF-8 bytes)",
+        aliases=["--session-metadata-key-bytes"],
+        metavar="N",
+    )
+    max_metadata_value_bytes: int = flag(
+        4096,
+        help="largest session metadata value (UTF-8 bytes)",
+        aliases=["--session-metadata-value-bytes"],
+        metavar="N",
+    )
+    max_metadata_bytes: int = flag(
+        16 * 1024,
+        help="largest session metadata in all, keys and values (UTF-8 bytes)",
+        aliases=["--session-metadata-bytes"],
+        metavar="N",
+    )
     # Session records being fetched from the kvstore at once (one per session
     # id, however many calls wait on it); past it a call for another session
     # not in memory is RESOURCE_EXHAUSTED, so lookups of made-up ids against a
     # stalled kvstore cannot pile up without bound.
-    max_record_fetches: int = 64
+    max_record_fetches: int = flag(
+        64,
+        help="session records fetched from the kvstore at once; more is RESOURCE_EXHAUSTED",
+        aliases=["--session-max-record-fetches"],
+        metavar="N",
+    )
 
     def __post_init__(self) -> None:
         _positive("max_sessions", self.max_sessions)
@@ -167,16 +232,24 @@ class SessionConfig:
 class LimitsConfig:
     """Request size limits, enforced before any work (docs/design.md, "Security")."""
 
-    max_new_tokens_limit: int = 4096  # largest max_new_tokens a request may ask for
-    default_max_new_tokens: int = 256  # used when a request sets none
+    max_new_tokens_limit: int = flag(
+        4096, help="largest max_new_tokens a request may ask for", metavar="N"
+    )
+    default_max_new_tokens: int = flag(
+        256, help="max_new_tokens of a request that sets none", metavar="N"
+    )
     max_stop_sequences: int = 16
     max_stop_sequence_chars: int = 256
     max_stop_token_ids: int = 64
     max_top_logprobs: int = 20
     max_time_limit_ms: int = 3_600_000
     max_cache_salt_chars: int = 256
-    # A Constraint's schema, pattern, grammar or choices, in UTF-8 bytes.
-    max_constraint_bytes: int = 65_536
+    max_constraint_bytes: int = flag(
+        65_536,
+        help="largest structured-output constraint (schema, regex, grammar or choices), "
+        "in UTF-8 bytes; also the most the tools' parameter schemas of one request may hold",
+        metavar="N",
+    )
 
     def __post_init__(self) -> None:
         for name in (
@@ -204,15 +277,26 @@ class KvStoreConfig:
     """The kvstore sidecar the engine shares KV chunks and session records through."""
 
     target: str  # HOST:PORT of genai-kvstore
-    timeout_s: float = 2.0  # a lookup+fetch slower than this is a miss
+    timeout_s: float = flag(  # a lookup+fetch slower than this is a miss
+        2.0,
+        help="a kvstore fetch slower than this is a cache miss",
+        aliases=["--kvstore-timeout"],
+        metavar="S",
+    )
     # Bearer token sent on every kvstore RPC; None only with insecure=True
     # (genai-server --kvstore-insecure), for a kvstore started --insecure.
     auth_token: str | None = field(default=None, repr=False)  # a secret: never logged
-    insecure: bool = False
+    insecure: bool = flag(
+        False, help="send no data-plane token (for a genai-kvstore started with --insecure)"
+    )
     record_wait_s: float = 1.0  # longest a turn's final answer waits for its session record
-    tls_ca_file: str | None = None  # PEM; dial the kvstore over TLS, trusting this CA
-    tls_cert_file: str | None = None  # PEM client certificate, for a kvstore requiring mTLS
-    tls_key_file: str | None = None
+    tls_ca_file: str | None = flag(  # PEM; dial the kvstore over TLS, trusting this CA
+        None, help="kvstore over TLS", aliases=["--kvstore-tls-ca"], metavar="PEM"
+    )
+    tls_cert_file: str | None = flag(  # PEM client certificate, for a kvstore requiring mTLS
+        None, help="client certificate", aliases=["--kvstore-tls-cert"], metavar="PEM"
+    )
+    tls_key_file: str | None = flag(None, help=None, aliases=["--kvstore-tls-key"], metavar="PEM")
     # The secret that seals what the engine stores (genai-server
     # --kv-integrity-key-file): replicas share KV chunks and sessions only
     # when theirs are equal. Default: random, made once per configuration (so
@@ -259,7 +343,9 @@ class EngineConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     kvstore: KvStoreConfig | None = None  # None: in-process prefix reuse only
-    max_context_length: int | None = None  # cap below the model's own context length
+    max_context_length: int | None = flag(
+        None, help="cap below the model's own context window", metavar="N"
+    )
 
     def __post_init__(self) -> None:
         if not self.model_dir:
@@ -268,14 +354,22 @@ class EngineConfig:
             _positive("max_context_length", self.max_context_length)
 
 
+_TLS = tls_server_fields(client_ca_help="require client certificates")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The ``genai-server`` process: the control plane plus its engine."""
 
     engine: EngineConfig
-    host: str = "127.0.0.1"
-    port: int = 50051
-    grace_period_s: float = 30.0  # in-flight streams may finish this long after SIGTERM
+    host: str = flag("127.0.0.1", help="address to listen on")
+    port: int = flag(50051, help="control-plane port", metavar="P")
+    grace_period_s: float = flag(
+        30.0,
+        help="seconds in-flight streams may run after SIGTERM",
+        aliases=["--grace-period"],
+        metavar="S",
+    )
     log_format: str = "console"  # "console" | "json"
     # gRPC receive/send limit per message. Requests up to it reach the frontend,
     # which checks every field's own limit (max_input_chars, session metadata)
@@ -284,26 +378,47 @@ class ServerConfig:
     max_message_bytes: int = 16 * 1024 * 1024
     max_input_chars: int = 1_000_000  # text / messages size limit before tokenizing
     engine_start_timeout_s: float = 900.0  # covers first-run conversion of the default model
-    metrics_port: int | None = None  # Prometheus /metrics on this port (0: any free); None: off
+    metrics_port: int | None = flag(  # 0: any free port; None: off
+        None, help="serve Prometheus metrics at http://HOST:P/metrics", metavar="P"
+    )
     # The OpenAI-compatible HTTP plane on this port (0: any free); None: off
     # (docs/design.md, "HTTP gateway").
-    http_port: int | None = None
+    http_port: int | None = flag(
+        None,
+        help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+        "/v1/models, /health) on port P, with the same tokens and TLS as the control plane",
+        metavar="P",
+    )
     # Bearer tokens accepted on the control plane, as (token, principal); empty: no auth.
     auth_tokens: tuple[tuple[str, str], ...] = ()
-    tls_cert_file: str | None = None  # PEM; with tls_key_file, serve TLS
-    tls_key_file: str | None = None
-    tls_client_ca_file: str | None = None  # PEM; require client certificates (mTLS)
+    tls_cert_file: str | None = _TLS["tls_cert_file"]  # PEM; with tls_key_file, serve TLS
+    tls_key_file: str | None = _TLS["tls_key_file"]
+    tls_client_ca_file: str | None = _TLS["tls_client_ca_file"]  # PEM; require client certs
     # Tokens coalesced per streamed Delta (vLLM's --stream-interval): a request's
     # first tokens go out at once, later ones once this many are pending (at most
     # this many per Delta, unless one engine step alone made more), what is left
     # with the request's end. 1: every engine step's tokens as they come
     # (docs/design.md, "Processes and planes").
-    stream_interval: int = 1
+    stream_interval: int = flag(
+        1,
+        help="coalesce up to N tokens per streamed message (a request's first token goes "
+        "out at once); fewer messages, less CPU per token, coarser streaming",
+        metavar="N",
+    )
     # Processes that compile and try out constraints and tool schemas before
     # the engine sees them, and how long one check may take (docs/design.md,
     # "Structured output").
-    constraint_check_workers: int = 1
-    constraint_check_timeout_ms: int = 10_000
+    constraint_check_workers: int = flag(
+        1,
+        help="processes that compile and try out constraints and tool schemas before "
+        "the engine sees them",
+        metavar="N",
+    )
+    constraint_check_timeout_ms: int = flag(
+        10_000,
+        help="a constraint whose check takes longer is refused (INVALID_ARGUMENT)",
+        metavar="MS",
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -43,6 +43,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisClusterException, RedisError
 from redis.retry import Retry
 
+from genai_common.flags import flag, parse_bytes
 from kvstore.checksum import DIGEST_SIZES, verify_checksum
 from kvstore.memory_tier import StoredBlob
 from kvstore.stats import TierStats
@@ -82,15 +83,27 @@ class RedisConfig:
     # Redis Cluster (any node's address: the rest are discovered). May hold a
     # password (redis://:PASSWORD@host:port), so it is never logged.
     url: str = field(repr=False)
-    cluster: bool = False  # Redis Cluster, whatever the scheme says (--redis-cluster)
+    cluster: bool = flag(False, help="the url is a Redis Cluster node")  # whatever the scheme
     password: str | None = field(default=None, repr=False)  # overrides the URL's; a secret
-    ttl_s: int = 0  # expiry of every value written; 0: none (Redis's maxmemory policy evicts)
-    timeout_ms: int = 500  # bound on one tier operation (connect, all round trips, all parts)
-    split_bytes: int = 1 << 20  # blobs above this are stored as parts of this size
-    key_prefix: str = "genai:kv:"
-    tls_ca_file: str | None = None  # PEM; rediss:// only (default: the system's CAs)
-    tls_cert_file: str | None = None  # PEM client certificate, for a Redis requiring mTLS
-    tls_key_file: str | None = None
+    ttl_s: int = flag(
+        0,
+        help="expiry of every value written to Redis, 0 for none: then Redis's "
+        "maxmemory-policy (allkeys-lru) evicts",
+    )
+    timeout_ms: int = flag(  # connect, all round trips, all parts
+        500, help="bound on one Redis operation; slower is a miss"
+    )
+    split_bytes: int = flag(
+        1 << 20, help="blobs above this are stored as parts of this size", parse=parse_bytes
+    )
+    key_prefix: str = flag("genai:kv:", help="prefix of every Redis key")
+    tls_ca_file: str | None = flag(  # default: the system's CAs
+        None, help="rediss:// CA", metavar="PEM"
+    )
+    tls_cert_file: str | None = flag(  # for a Redis requiring mTLS
+        None, help="rediss:// client cert", metavar="PEM"
+    )
+    tls_key_file: str | None = flag(None, help=None, metavar="PEM")
     max_connections: int = 64  # per Redis node
 
     def __post_init__(self) -> None:

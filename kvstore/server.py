@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from genai_common.credentials import server_credentials
 from genai_common.decoding import TolerantDecoding, Undecodable
 from genai_common.errors import DataLoss, GenAIError, InvalidArgument, NotFound
+from genai_common.flags import flag, parse_bytes, tls_server_fields
 from genai_common.reflection import enable_reflection
 from genai_common.status import abort
 from genai_proto.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
@@ -46,24 +47,37 @@ log = structlog.get_logger(__name__)
 _Response = TypeVar("_Response")
 
 
+_TLS = tls_server_fields(client_ca_help="require client certificates (mTLS)")
+
+
 @dataclass(frozen=True)
 class KvStoreConfig:
-    """How the kvstore server runs (``genai-kvstore`` flags)."""
+    """How the kvstore server runs (``genai-kvstore`` flags, declared with the fields)."""
 
-    host: str = "127.0.0.1"
-    port: int = 50052  # 0: let the OS pick a free port (see RunningServer.port)
-    memory_bytes: int = 1 << 30  # memory tier bound, sum of blob sizes
-    disk_dir: str | None = None  # disk tier directory; None: memory only
-    disk_bytes: int = 10 << 30  # disk tier bound, sum of blob sizes
-    max_blob_bytes: int = 256 << 20  # largest Put accepted (it is buffered in memory)
+    host: str = flag("127.0.0.1", help="address to bind")
+    port: int = flag(50052, help="port to bind")  # 0: any free port (RunningServer.port)
+    memory_bytes: int = flag(  # the sum of blob sizes
+        1 << 30, help="memory tier capacity, e.g. 4GiB", parse=parse_bytes
+    )
+    disk_dir: str | None = flag(  # None: memory only
+        None, help="directory of the disk tier (default: no disk tier)"
+    )
+    disk_bytes: int = flag(10 << 30, help="disk tier capacity", parse=parse_bytes)
+    max_blob_bytes: int = flag(  # a Put is buffered in memory
+        256 << 20, help="largest blob a Put may store", parse=parse_bytes
+    )
     # KvStore RPCs need "authorization: Bearer <auth_token>"; leaving it unset
     # takes insecure=True, an explicit choice to serve anyone who can connect.
     auth_token: str | None = field(default=None, repr=False)  # a secret: never logged
-    insecure: bool = False
-    tls_cert_file: str | None = None  # PEM; with tls_key_file, serve TLS
-    tls_key_file: str | None = None
-    tls_client_ca_file: str | None = None  # PEM; require client certificates (mTLS)
-    grace_s: float = 5.0  # how long stop() lets in-flight RPCs finish
+    insecure: bool = flag(
+        False,
+        help="require no token: any client that can connect may read and overwrite KV "
+        "(logs a warning)",
+    )
+    tls_cert_file: str | None = _TLS["tls_cert_file"]  # PEM; with tls_key_file, serve TLS
+    tls_key_file: str | None = _TLS["tls_key_file"]
+    tls_client_ca_file: str | None = _TLS["tls_client_ca_file"]  # PEM; require client certs
+    grace_s: float = flag(5.0, help="seconds in-flight RPCs get on shutdown")
     redis: RedisConfig | None = None  # the shared tier behind memory and disk; None: none
 
     def __post_init__(self) -> None:

@@ -20,9 +20,9 @@ import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from genai_common.flags import parse_bytes
 from genai_proto.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from genai_service.engine.kv.kv_codec import BlobError, pack_kv, unpack_kv
-from kvstore.__main__ import parse_bytes
 from kvstore.checksum import ChecksumError, checksum
 from kvstore.client import AsyncKvStoreClient, KvStoreClient
 from kvstore.disk_tier import file_name

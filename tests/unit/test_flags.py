@@ -1,0 +1,158 @@
+"""Every flag of genai-server and genai-kvstore against the config field it sets
+(genai_common/flags.py): name, default, type and choices come from the field,
+and a config field is either on the command line or listed here as one that
+deliberately is not, so a new field cannot be forgotten."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from typing import Any
+
+import pytest
+
+from genai_common import flags
+from genai_service import __main__ as server_main
+from genai_service import config
+from kvstore import __main__ as kvstore_main
+from kvstore.redis_tier import RedisConfig
+from kvstore.server import KvStoreConfig
+
+# (config class, flag prefix) of each parser.
+SERVER_PARTS = [
+    (config.ServerConfig, ""),
+    (config.EngineConfig, ""),
+    (config.RunnerConfig, ""),
+    (config.SchedulerConfig, ""),
+    (config.CacheConfig, ""),
+    (config.LimitsConfig, ""),
+    (config.SpeculationConfig, ""),
+    (config.SessionConfig, ""),
+    (config.KvStoreConfig, server_main.KVSTORE_PREFIX),
+]
+KVSTORE_PARTS = [(KvStoreConfig, ""), (RedisConfig, kvstore_main.REDIS_PREFIX)]
+
+# Fields no flag sets, and why.
+NOT_FLAGS = {
+    # Nested configs, built from their own flags.
+    "ServerConfig.engine",
+    "EngineConfig.runner",
+    "EngineConfig.scheduler",
+    "EngineConfig.cache",
+    "EngineConfig.sessions",
+    "EngineConfig.limits",
+    "EngineConfig.speculation",
+    "EngineConfig.kvstore",
+    "KvStoreConfig.redis",
+    # Read from files or the environment by __main__ (--model, --auth-token-file,
+    # --kvstore, --kvstore-auth-token-file, --kv-integrity-key-file, --auth-token,
+    # --redis, --redis-password-file), or the logging group both servers share.
+    "EngineConfig.model_dir",
+    "ServerConfig.auth_tokens",
+    "ServerConfig.log_format",
+    "KvStoreConfig.target",
+    "KvStoreConfig.auth_token",
+    "KvStoreConfig.integrity_key",
+    "RedisConfig.url",
+    "RedisConfig.password",
+    # Tuning that tests and embedders set, not operators.
+    "ServerConfig.max_message_bytes",
+    "ServerConfig.max_input_chars",
+    "ServerConfig.engine_start_timeout_s",
+    "KvStoreConfig.record_wait_s",
+    "SpeculationConfig.ngram_max",
+    "SpeculationConfig.ngram_min",
+    "LimitsConfig.max_stop_sequences",
+    "LimitsConfig.max_stop_sequence_chars",
+    "LimitsConfig.max_stop_token_ids",
+    "LimitsConfig.max_top_logprobs",
+    "LimitsConfig.max_time_limit_ms",
+    "LimitsConfig.max_cache_salt_chars",
+    "RedisConfig.max_connections",
+}
+# Flags that set no single field (the NOT_FLAGS fields above they feed).
+SERVER_OTHER = {
+    "model",
+    "log_format",
+    "auth_token_file",
+    "kvstore",
+    "kvstore_auth_token_file",
+    "kv_integrity_key_file",
+}
+KVSTORE_OTHER = {"auth_token_file", "auth_token", "redis", "redis_password_file"} | {
+    "log_format",
+    "log_level",
+}
+
+
+def actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {a.dest: a for a in parser._actions if a.dest != "help"}
+
+
+def check(parser: argparse.ArgumentParser, parts: list[tuple[type, str]], other: set[str]) -> None:
+    by_dest = actions(parser)
+    flagged = set()
+    for cls, prefix in parts:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            name = f"{cls.__name__}.{f.name}"
+            spec = f.metadata.get("flag")
+            if spec is None:
+                assert name in NOT_FLAGS, f"{name} has no flag: declare one or list it in NOT_FLAGS"
+                continue
+            assert name not in NOT_FLAGS, name
+            dest = flags.dest(f, spec, prefix)
+            action = by_dest.get(dest)
+            assert action is not None, f"{name}: no flag {flags.option(f, spec, prefix)}"
+            flagged.add(dest)
+            assert action.option_strings[0] == flags.option(f, spec, prefix), name
+            assert action.default == flags.default_of(f), name
+            kind = flags.value_type(hints[f.name])
+            if kind is bool:
+                assert isinstance(action, argparse._StoreTrueAction), name
+            else:
+                assert action.type is (spec.parse or kind), name
+                assert action.choices == spec.choices, name
+    assert set(by_dest) - flagged == other
+
+
+def test_every_genai_server_flag_is_its_config_field() -> None:
+    check(server_main.build_parser(), SERVER_PARTS, SERVER_OTHER)
+
+
+def test_every_genai_kvstore_flag_is_its_config_field() -> None:
+    check(kvstore_main.build_parser(), KVSTORE_PARTS, KVSTORE_OTHER)
+
+
+def test_both_servers_declare_tls_and_logging_the_same_way() -> None:
+    server, kvstore = actions(server_main.build_parser()), actions(kvstore_main.build_parser())
+    for dest in (*flags.TLS_FIELDS, "log_format", "auth_token_file"):
+        a, b = server[dest], kvstore[dest]
+        assert (a.option_strings, a.metavar, a.choices) == (b.option_strings, b.metavar, b.choices)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--threads", "3"], {"intra_op_threads": 3}),
+        (["--max-batched-tokens", "64"], {"max_num_batched_tokens": 64}),
+        (["--session-ttl", "5"], {"idle_ttl_s": 5.0}),
+        (["--kvstore-timeout", "0.5"], {"kvstore_timeout_s": 0.5}),
+        (["--kvstore-insecure"], {"kvstore_insecure": True}),
+    ],
+)
+def test_old_spellings_stay_aliases(argv: list[str], expected: dict[str, Any]) -> None:
+    args = server_main.build_parser().parse_args(["--model", "m", *argv])
+    assert {k: getattr(args, k) for k in expected} == expected
+
+
+def test_byte_counts_and_the_redis_prefix() -> None:
+    args = kvstore_main.build_parser().parse_args(
+        ["--memory-bytes", "512MiB", "--redis-split-bytes", "8KiB", "--redis-ttl-s", "7"]
+    )
+    values = flags.flag_values(args, RedisConfig, kvstore_main.REDIS_PREFIX)
+    assert args.memory_bytes == 512 << 20
+    assert values["split_bytes"] == 8192 and values["ttl_s"] == 7
+    with pytest.raises(SystemExit):
+        kvstore_main.build_parser().parse_args(["--memory-bytes", "lots"])
