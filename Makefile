@@ -125,7 +125,7 @@ $(BENCH_STAMP): $(STAMP)
 	@touch $(BENCH_STAMP)
 
 # Benchmarks against onnxruntime-genai on the same model directory, one run;
-# JSON under bench/results/, a table appended to docs/benchmarks.md. system-deps: the
+# JSON under bench/results/ (kept), docs/benchmarks.md rewritten. system-deps: the
 # fleet section starts a Redis Cluster.
 bench: setup system-deps $(BENCH_STAMP)
 	$(PY) -m bench.run $(ARGS)

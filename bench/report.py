@@ -1,5 +1,11 @@
-"""The targets of issues 6 and 14 checked against a run, and the markdown section
-for ``docs/benchmarks.md``."""
+"""A run's report for ``docs/benchmarks.md``, built per section.
+
+Each section of a run's results (the keys ``bench/run.py`` writes: ``single``,
+``sessions``, ``concurrency``, …) has one entry in ``SECTIONS``: the targets
+it must reach (each measured against its limit) and its tables.
+``targets(r)`` and ``markdown(r)`` walk ``SECTIONS`` in order, so a new
+section is one entry, and a run that lacks a section shows nothing of it.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import importlib
 import importlib.util
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 Results = dict[str, Any]
@@ -33,9 +40,9 @@ def _target(
     ok: Callable[[float, float], bool],
     unit: str = "×",
     *,
-    issue14: bool = False,
+    headline: bool = False,
 ) -> dict:
-    """One target; ``issue14``: one of issue 14's (its own, or an older one it restates)."""
+    """One target; ``headline``: one of the few ``bench.history`` follows across runs."""
     met = None if math.isnan(measured) else bool(ok(measured, limit))
     return {
         "target": name,
@@ -43,7 +50,7 @@ def _target(
         "limit": limit,
         "unit": unit,
         "met": met,
-        "issue14": issue14 or name.startswith("issue 14:"),
+        "headline": headline,
     }
 
 
@@ -55,86 +62,162 @@ def _le(a: float, b: float) -> bool:
     return a <= b
 
 
-# The sampler microbenchmark (issue 14), where it exists: measure() -> dict (the
-# run's "sampler" section), markdown(result) -> list[str] (its table).
+# The sampler microbenchmark, where it exists: measure() -> dict (the run's
+# "sampler" section), markdown(result) -> list[str] (its table).
 SAMPLER_MODULE = "bench.sampler_bench"
-# Frontend CPU per streamed token (issue 14), in ms.
+# Frontend CPU per streamed token, in ms.
 FRONTEND_MS_PER_TOKEN = 0.15
 # Where another script's profile of one decode step leaves its figure: results
 # ["step_profile"]["engine_loop_python_ms_per_step"] (batch 1).
 STEP_PROFILE_KEY = "engine_loop_python_ms_per_step"
-
-
-def _sampled(samplings: dict | None) -> dict[str, dict]:
-    """The non-greedy samplings of a section (``{}`` for a run that had none)."""
-    return dict(samplings or {})
+HEADLINE_LENGTH = "512"  # the single-stream prompt length the history follows
 
 
 def _top_level(conc: dict, shape: str) -> str:
     return max(conc[shape], key=int)
 
 
-def targets(r: Results) -> list[dict]:
-    """Issues 6 and 14's Targets, each with the measured value and whether it is met."""
-    return _issue6(r) + _issue14(r)
+def _sampled_run(r: Results) -> bool:
+    """Whether the run measured sampled rows beside greedy (its plan has samplings)."""
+    return "concurrency_samplings" in (r.get("meta") or {}).get("plan", {})
 
 
-def _issue14(r: Results) -> list[dict]:
+# -- targets, per section -------------------------------------------------------------
+
+
+def _single_targets(r: Results) -> list[dict]:
+    single = r["single"]
+    server, inproc, og = single["ours_server"], single["ours_inproc"], single["og_best"]
+    lengths = sorted(server, key=int)
     out: list[dict] = []
-    conc = r.get("concurrency") or {}
-    if conc:
-        shape = next(iter(conc))
-        top = _top_level(conc, shape)
-        row = conc[shape][top]
-        for name, by in _sampled(row.get("samplings")).items():
-            ours, og = by.get("ours", {}), by.get("og", {})
+    by = {
+        "greedy": (server, og),
+        **{n: (s["ours_server"], s["og_best"]) for n, s in (single.get("samplings") or {}).items()},
+    }
+    for name, (ours, other) in by.items():
+        label = "" if name == "greedy" else f", {name}"
+        for length in lengths:
             out.append(
                 _target(
-                    f"issue 14: {top} streams, {shape}, {name}: total tok/s ≥ 1.3× og.Engine "
-                    "same sampling",
-                    _ratio(ours.get("agg_tok_s", math.nan), og.get("agg_tok_s", math.nan)),
-                    1.3,
-                    _ge,
-                )
-            )
-            out.append(
-                _target(
-                    f"issue 14: {top} streams, {shape}, {name}: total tok/s ≥ 0.95× ours greedy",
-                    _ratio(ours.get("agg_tok_s", math.nan), row["ours"]["agg_tok_s"]),
-                    0.95,
-                    _ge,
-                )
-            )
-    single = r.get("single") or {}
-    for name, s in _sampled(single.get("samplings")).items():
-        server, og = s["ours_server"], s["og_best"]
-        for length in sorted(server, key=int):
-            out.append(
-                _target(
-                    f"issue 14: single stream {length} tokens, {name}: decode tok/s ≥ 1.0× "
-                    "og.Generator (best)",
-                    _ratio(server[length]["decode_tok_s"], og[length]["decode_tok_s"]),
+                    f"single stream {length} tokens{label}: decode tok/s ≥ 1.0× og.Generator "
+                    "(best)",
+                    _ratio(ours[length]["decode_tok_s"], other[length]["decode_tok_s"]),
                     1.0,
                     _ge,
+                    headline=length == HEADLINE_LENGTH,
                 )
             )
             out.append(
                 _target(
-                    f"issue 14: single stream {length} tokens, {name}: TTFT ≤ 1.0× "
-                    "og.Generator (best)",
-                    _ratio(server[length]["ttft_s"], og[length]["ttft_s"]),
+                    f"single stream {length} tokens{label}: TTFT ≤ 1.0× og.Generator (best)",
+                    _ratio(ours[length]["ttft_s"], other[length]["ttft_s"]),
                     1.0,
                     _le,
                 )
             )
-    long = r.get("long") or {}
-    for name, by in (long.get("samplings") or {}).items():
-        ours, og = by["ours_server"], by["og"]
-        ctx = long["prompt_tokens"] + long["new_tokens"]
+    ttft_over = max(_ratio(server[k]["ttft_s"], inproc[k]["ttft_s"]) - 1 for k in server)
+    decode_over = max(
+        _ratio(inproc[k]["decode_tok_s"], server[k]["decode_tok_s"]) - 1 for k in server
+    )
+    out.append(
+        _target("gRPC + process overhead on TTFT ≤ 5% (worst length)", ttft_over * 100, 5, _le, "%")
+    )
+    out.append(
+        _target(
+            "gRPC + process overhead on decode ≤ 5% (worst length)", decode_over * 100, 5, _le, "%"
+        )
+    )
+    if len(lengths) >= 2:
+        lo, hi = lengths[0], lengths[-1]
         out.append(
             _target(
-                f"issue 14: single stream, {ctx}-token context, {name}: decode tok/s ≥ 1.0× "
-                "og.Generator",
+                f"per-token decode time at {hi} ≤ 2× at {lo} (server)",
+                _ratio(server[lo]["decode_tok_s"], server[hi]["decode_tok_s"]),
+                2.0,
+                _le,
+            )
+        )
+    return out
+
+
+def _sessions_targets(r: Results) -> list[dict]:
+    sess = r["sessions"]
+    last = len(sess["alone"]["ours"]) - 1
+    return [
+        _target(
+            f"session alone: turn-{last + 1} TTFT ≤ 1.0× og.Engine continuing",
+            _ratio(sess["alone"]["ours"][last], sess["alone"]["og"][last]),
+            1.0,
+            _le,
+        ),
+        _target(
+            f"{sess['conversations']} sessions interleaved: turn-{last + 1} TTFT ≤ 0.3× og",
+            _ratio(sess["interleaved"]["ours"][last], sess["interleaved"]["og"][last]),
+            0.3,
+            _le,
+            headline=True,
+        ),
+    ]
+
+
+def _concurrency_targets(r: Results) -> list[dict]:
+    out: list[dict] = []
+    for i, (shape, levels) in enumerate(list(r["concurrency"].items())[:2]):
+        top = _top_level(r["concurrency"], shape)
+        row = levels[top]
+        ours, og = row["ours"], row["og"]
+        need = 1.3 if i == 0 else 1.2
+        out.append(
+            _target(
+                f"{top} streams, {shape}: total tok/s ≥ {need}× og.Engine",
+                _ratio(ours["agg_tok_s"], og["agg_tok_s"]),
+                need,
+                _ge,
+                headline=True,
+            )
+        )
+        if i == 1:
+            out.append(
+                _target(
+                    f"{top} streams, {shape}: p50 TTFT ≤ 0.6× og.Engine",
+                    _ratio(ours["ttft_p50_s"], og["ttft_p50_s"]),
+                    0.6,
+                    _le,
+                )
+            )
+        if i == 0:
+            for name, by in (row.get("samplings") or {}).items():
+                o, g = by.get("ours", {}), by.get("og", {})
+                out.append(
+                    _target(
+                        f"{top} streams, {shape}, {name}: total tok/s ≥ 1.3× og.Engine "
+                        "same sampling",
+                        _ratio(o.get("agg_tok_s", math.nan), g.get("agg_tok_s", math.nan)),
+                        1.3,
+                        _ge,
+                        headline=name == "sampled",
+                    )
+                )
+                out.append(
+                    _target(
+                        f"{top} streams, {shape}, {name}: total tok/s ≥ 0.95× ours greedy",
+                        _ratio(o.get("agg_tok_s", math.nan), ours["agg_tok_s"]),
+                        0.95,
+                        _ge,
+                    )
+                )
+    return out
+
+
+def _long_targets(r: Results) -> list[dict]:
+    long = r["long"]
+    ctx = long["prompt_tokens"] + long["new_tokens"]
+    out: list[dict] = []
+    for name, by in (long.get("samplings") or {}).items():
+        ours, og = by["ours_server"], by["og"]
+        out.append(
+            _target(
+                f"single stream, {ctx}-token context, {name}: decode tok/s ≥ 1.0× og.Generator",
                 _ratio(ours["decode_tok_s"], og["decode_tok_s"]),
                 1.0,
                 _ge,
@@ -142,47 +225,27 @@ def _issue14(r: Results) -> list[dict]:
         )
         out.append(
             _target(
-                f"issue 14: single stream, {ctx}-token context, {name}: TTFT ≤ 1.0× og.Generator",
+                f"single stream, {ctx}-token context, {name}: TTFT ≤ 1.0× og.Generator",
                 _ratio(ours["ttft_s"], og["ttft_s"]),
                 1.0,
                 _le,
             )
         )
-    llama = r.get("llama_server") or {}
-    for name, by in (llama.get("single") or {}).items():
+    return out
+
+
+def _llama_targets(r: Results) -> list[dict]:
+    out: list[dict] = []
+    for name, by in (r["llama_server"].get("single") or {}).items():
         for length in sorted(by.get("ours", {}), key=int):
             out.append(
                 _target(
-                    f"issue 14: single stream {length} tokens, {name}: decode tok/s ≥ 1.0× "
-                    "llama-server",
+                    f"single stream {length} tokens, {name}: decode tok/s ≥ 1.0× llama-server",
                     _ratio(by["ours"][length]["decode_tok_s"], by["llama"][length]["decode_tok_s"]),
                     1.0,
                     _ge,
                 )
             )
-    for what, summary in _frontend_rows(r):
-        out.append(
-            _target(
-                f"issue 14: {what}: frontend CPU per streamed token ≤ {FRONTEND_MS_PER_TOKEN} ms",
-                summary.get("cpu_ms_per_token", {}).get("frontend", math.nan),
-                FRONTEND_MS_PER_TOKEN,
-                _le,
-                "ms",
-            )
-        )
-    if _issue14_run(r):
-        # a slot until the step profile's figure is part of the run
-        step = (r.get("step_profile") or {}).get(STEP_PROFILE_KEY, math.nan)
-        out.append(
-            _target(
-                "issue 14: engine-loop Python per decode step at batch 1 ≤ 0.1 ms "
-                "(bench/step_profile.py)",
-                float(step),
-                0.1,
-                _le,
-                "ms",
-            )
-        )
     return out
 
 
@@ -203,334 +266,211 @@ def _frontend_rows(r: Results) -> list[tuple[str, dict]]:
     return [(what, summary) for what, summary in rows if "cpu_ms_per_token" in summary]
 
 
-def _issue6(r: Results) -> list[dict]:
-    out: list[dict] = []
-    single = r.get("single")
-    if single:
-        server, inproc, og = single["ours_server"], single["ours_inproc"], single["og_best"]
-        for length in sorted(server, key=int):
-            out.append(
-                _target(
-                    f"single stream {length} tokens: decode tok/s ≥ 1.0× og.Generator (best)",
-                    _ratio(server[length]["decode_tok_s"], og[length]["decode_tok_s"]),
-                    1.0,
-                    _ge,
-                    issue14=True,
-                )
-            )
-        for length in sorted(server, key=int):
-            out.append(
-                _target(
-                    f"single stream {length} tokens: TTFT ≤ 1.0× og.Generator (best)",
-                    _ratio(server[length]["ttft_s"], og[length]["ttft_s"]),
-                    1.0,
-                    _le,
-                    issue14=True,
-                )
-            )
-        ttft_over = max(_ratio(server[k]["ttft_s"], inproc[k]["ttft_s"]) - 1 for k in server)
-        decode_over = max(
-            _ratio(inproc[k]["decode_tok_s"], server[k]["decode_tok_s"]) - 1 for k in server
+def _cpu_targets(r: Results) -> list[dict]:
+    return [
+        _target(
+            f"{what}: frontend CPU per streamed token ≤ {FRONTEND_MS_PER_TOKEN} ms",
+            summary.get("cpu_ms_per_token", {}).get("frontend", math.nan),
+            FRONTEND_MS_PER_TOKEN,
+            _le,
+            "ms",
         )
-        out.append(
-            _target(
-                "gRPC + process overhead on TTFT ≤ 5% (worst length)", ttft_over * 100, 5, _le, "%"
-            )
-        )
-        out.append(
-            _target(
-                "gRPC + process overhead on decode ≤ 5% (worst length)",
-                decode_over * 100,
-                5,
-                _le,
-                "%",
-            )
-        )
-        lengths = sorted(server, key=int)
-        if len(lengths) >= 2:
-            lo, hi = lengths[0], lengths[-1]
-            out.append(
-                _target(
-                    f"per-token decode time at {hi} ≤ 2× at {lo} (server)",
-                    _ratio(server[lo]["decode_tok_s"], server[hi]["decode_tok_s"]),
-                    2.0,
-                    _le,
-                )
-            )
-    conc = r.get("concurrency")
-    if conc:
-        shapes = list(conc)
-        for i, shape in enumerate(shapes[:2]):
-            levels = conc[shape]
-            top = max(levels, key=int)
-            ours, og = levels[top]["ours"], levels[top]["og"]
-            need = 1.3 if i == 0 else 1.2
-            out.append(
-                _target(
-                    f"{top} streams, {shape}: total tok/s ≥ {need}× og.Engine",
-                    _ratio(ours["agg_tok_s"], og["agg_tok_s"]),
-                    need,
-                    _ge,
-                    issue14=True,
-                )
-            )
-            if i == 1:
-                out.append(
-                    _target(
-                        f"{top} streams, {shape}: p50 TTFT ≤ 0.6× og.Engine",
-                        _ratio(ours["ttft_p50_s"], og["ttft_p50_s"]),
-                        0.6,
-                        _le,
-                    )
-                )
-    sess = r.get("sessions")
-    if sess:
-        last = len(sess["alone"]["ours"]) - 1
-        out.append(
-            _target(
-                f"session alone: turn-{last + 1} TTFT ≤ 1.0× og.Engine continuing",
-                _ratio(sess["alone"]["ours"][last], sess["alone"]["og"][last]),
-                1.0,
-                _le,
-            )
-        )
-        out.append(
-            _target(
-                f"{sess['conversations']} sessions interleaved: turn-{last + 1} TTFT ≤ 0.3× og",
-                _ratio(sess["interleaved"]["ours"][last], sess["interleaved"]["og"][last]),
-                0.3,
-                _le,
-            )
-        )
-    rss = r.get("rss")
-    kv = r.get("kvstore")
-    if kv:
-        out.append(
-            _target(
-                "issue 4: 2,048-token TTFT with the prefix from the kvstore ≤ 0.2× cold",
-                kv["reuse"]["ratio"],
-                0.2,
-                _le,
-            )
-        )
-        out.append(
-            _target(
-                "issue 4: kvstore Get of 256-token chunks ≥ 1 GB/s over loopback",
-                kv["throughput"]["get_gb_per_s_sync_no_verify"],
-                1.0,
-                _ge,
-                "GB/s",
-            )
-        )
-    http = r.get("http")
-    if http:
-        out.append(
-            _target(
-                "issue 16: one stream's decode tok/s through HTTP/SSE ≥ 0.95× GenerateStream",
-                http["decode_ratio"],
-                0.95,
-                _ge,
-            )
-        )
-        out.append(
-            _target(
-                "issue 16: one stream's TTFT through HTTP/SSE ≤ 1.05× GenerateStream",
-                http["ttft_ratio"],
-                1.05,
-                _le,
-            )
-        )
-    if rss and rss.get("og_max_mb"):
-        out.append(
-            _target(
-                "peak RSS ≤ onnxruntime-genai's",
-                _ratio(rss["ours_server_tree_mb"], rss["og_max_mb"]),
-                1.0,
-                _le,
-            )
-        )
-    return out
-
-
-# -- markdown ------------------------------------------------------------------------
-
-
-def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
-    return lines + [""]
-
-
-def markdown(r: Results) -> str:
-    meta = r["meta"]
-    m, v = meta["machine"], meta["versions"]
-    lines = [
-        f"## {meta['date']}{' (quick)' if meta['plan']['quick'] else ''}",
-        "",
-        f"- Machine: {m['cpu']}, {m['logical_cores']} logical cores "
-        f"({m['affinity_cores']} usable), {m['memory_gib']} GiB; load average at start "
-        f"{', '.join(str(x) for x in m['load_avg_at_start'])}.",
-        f"- Versions: genai-grpc {v['genai-grpc_git_rev']}"
-        f"{' (uncommitted changes)' if v['genai-grpc_git_dirty'] else ''}, onnxruntime "
-        f"{v['onnxruntime']}, onnxruntime-genai {v['onnxruntime-genai']}, Python {m['python']}.",
-        f"- Model: `{meta['model']['name']}` ({meta['model']['weights']}); "
-        f"{meta['plan']['threads']} intra-op threads for every engine; greedy unless a "
-        f"table says otherwise{_samplings_note(meta)}; EOS ignored everywhere; "
-        f"median of {meta['plan']['reps']} rep(s); total run {meta['elapsed_s'] / 60:.1f} min.",
-        "- Ours: the in-process `LLMEngine` and `genai-server` through `GenerateStream` "
-        "(client-side timing: TTFT = first token's arrival, decode = (n−1)/(t_last−t_first)). "
-        "og = onnxruntime-genai in its own process: `og.Generator` for single streams "
-        "(best of `past_present_share_buffer` true/false, per metric), `og.Engine` "
-        f"for sessions and concurrency{_engine_note(meta)}.",
+        for what, summary in _frontend_rows(r)
     ]
-    phases = meta.get("phases") or {}
-    if phases:
-        lines.append(
-            "- CPU taken by other work on the machine during the run, in cores (of "
-            f"{m['logical_cores']}): "
-            + ", ".join(f"{k} {d['foreign_cores']}" for k, d in phases.items())
-            + " (ours: "
-            + ", ".join(f"{k} {d['ours_cores']}" for k, d in phases.items())
-            + ")."
+
+
+def _step_targets(r: Results) -> list[dict]:
+    step = (r.get("step_profile") or {}).get(STEP_PROFILE_KEY, math.nan)
+    return [
+        _target(
+            "engine-loop Python per decode step at batch 1 ≤ 0.1 ms (bench/step_profile.py)",
+            float(step),
+            0.1,
+            _le,
+            "ms",
         )
-    noisy = meta.get("noisy_measurements")
-    if noisy is not None:
-        lines.append(
-            f"- Before each rep the run waited for a quiet moment "
-            f"({meta.get('waited_for_quiet_s', 0)} s in all), and the engines took turns "
-            f"going first in it; "
-            f"{len(meta.get('retried_reps', []))} rep(s) were rerun with fresh prompts because "
-            f"other work took > {meta.get('noisy_threshold_cores')} cores meanwhile; "
-            f"{len(noisy)} rep(s) stayed that disturbed (`meta.noisy_measurements`)."
+    ]
+
+
+def _rss_targets(r: Results) -> list[dict]:
+    rss = r["rss"]
+    if not rss.get("og_max_mb"):
+        return []
+    return [
+        _target(
+            "peak RSS ≤ onnxruntime-genai's",
+            _ratio(rss["ours_server_tree_mb"], rss["og_max_mb"]),
+            1.0,
+            _le,
+            headline=True,
         )
-    for name, error in (meta.get("failed_sections") or {}).items():
-        lines.append(f"- **Section `{name}` failed and was not measured**: {error}")
-    lines.append("")
-    tg = r.get("targets") or []
-    issue14 = [t for t in tg if t.get("issue14")] if _issue14_run(r) else []
-    if issue14:
-        lines += [
-            "### Issue 14 targets",
-            "",
-            "(sampled = temperature 0.7, top_p 0.9, top_k 50; sampled_rep: + repetition_penalty "
-            "1.1; ratios are ours over the other engine with the same settings in this run.)",
-            "",
-        ]
-        lines += _targets_table(issue14)
-    if "single" in r:
-        s = r["single"]
-        lines += [
-            f"### Single stream ({meta['plan']['single_new_tokens']} new tokens)",
-            "",
-        ]
-        rows = []
-        for length in sorted(s["ours_server"], key=int):
-            ip, sv, og = s["ours_inproc"][length], s["ours_server"][length], s["og_best"][length]
-            rows.append(
-                [
-                    length,
-                    ip["ttft_s"],
-                    sv["ttft_s"],
-                    og["ttft_s"],
-                    _ratio(sv["ttft_s"], og["ttft_s"]),
-                    ip["decode_tok_s"],
-                    sv["decode_tok_s"],
-                    og["decode_tok_s"],
-                    _ratio(sv["decode_tok_s"], og["decode_tok_s"]),
-                ]
-            )
-        lines += _table(
-            [
-                "prompt",
-                "TTFT in-process (s)",
-                "TTFT server (s)",
-                "TTFT og (s)",
-                "server/og",
-                "decode in-process (tok/s)",
-                "decode server (tok/s)",
-                "decode og (tok/s)",
-                "server/og",
-            ],
-            rows,
-        )
-        og_rows = [
+    ]
+
+
+def _kvstore_targets(r: Results) -> list[dict]:
+    kv = r["kvstore"]
+    return [
+        _target(
+            "2,048-token TTFT with the prefix from the kvstore ≤ 0.2× cold",
+            kv["reuse"]["ratio"],
+            0.2,
+            _le,
+            headline=True,
+        ),
+        _target(
+            "kvstore Get of 256-token chunks ≥ 1 GB/s over loopback",
+            kv["throughput"]["get_gb_per_s_sync_no_verify"],
+            1.0,
+            _ge,
+            "GB/s",
+        ),
+    ]
+
+
+def _http_targets(r: Results) -> list[dict]:
+    http = r["http"]
+    return [
+        _target(
+            "one stream's decode tok/s through HTTP/SSE ≥ 0.95× GenerateStream",
+            http["decode_ratio"],
+            0.95,
+            _ge,
+        ),
+        _target(
+            "one stream's TTFT through HTTP/SSE ≤ 1.05× GenerateStream",
+            http["ttft_ratio"],
+            1.05,
+            _le,
+        ),
+    ]
+
+
+# -- tables, per section --------------------------------------------------------------
+
+
+def _single_md(r: Results) -> list[str]:
+    """Single streams: ours in-process and through the server against og.Generator."""
+    meta = r["meta"]
+    lines: list[str] = []
+    s = r["single"]
+    lines += [
+        f"### Single stream ({meta['plan']['single_new_tokens']} new tokens)",
+        "",
+    ]
+    rows = []
+    for length in sorted(s["ours_server"], key=int):
+        ip, sv, og = s["ours_inproc"][length], s["ours_server"][length], s["og_best"][length]
+        rows.append(
             [
                 length,
-                s["og_share_true"][length]["ttft_s"],
-                s["og_share_true"][length]["decode_tok_s"],
-                s["og_share_false"][length]["ttft_s"],
-                s["og_share_false"][length]["decode_tok_s"],
+                ip["ttft_s"],
+                sv["ttft_s"],
+                og["ttft_s"],
+                _ratio(sv["ttft_s"], og["ttft_s"]),
+                ip["decode_tok_s"],
+                sv["decode_tok_s"],
+                og["decode_tok_s"],
+                _ratio(sv["decode_tok_s"], og["decode_tok_s"]),
             ]
-            for length in sorted(s["og_share_true"], key=int)
-        ]
-        lines += ["og.Generator by setting:", ""]
-        lines += _table(
-            [
-                "prompt",
-                "TTFT share=true (s)",
-                "decode share=true",
-                "TTFT share=false (s)",
-                "decode share=false",
-            ],
-            og_rows,
         )
-        if s.get("og_all_logits_probe"):
-            p = s["og_all_logits_probe"]
-            lines += [
-                f"og.Generator on the all-logits graph that og.Engine needs "
-                f"({p['length']}-token prompt): TTFT {_fmt(p['ttft_s'])} s, decode "
-                f"{_fmt(p['decode_tok_s'], 1)} tok/s.",
-                "",
-            ]
-        if s.get("agreement"):
-            lines += [f"Greedy tokens (first 32, rep 0) equal to og's: {s['agreement']}.", ""]
-        for name, ss in (s.get("samplings") or {}).items():
-            lines += _single_sampled(name, ss)
-    if "sessions" in r:
-        ss = r["sessions"]
-        p = meta["plan"]
+    lines += _table(
+        [
+            "prompt",
+            "TTFT in-process (s)",
+            "TTFT server (s)",
+            "TTFT og (s)",
+            "server/og",
+            "decode in-process (tok/s)",
+            "decode server (tok/s)",
+            "decode og (tok/s)",
+            "server/og",
+        ],
+        rows,
+    )
+    og_rows = [
+        [
+            length,
+            s["og_share_true"][length]["ttft_s"],
+            s["og_share_true"][length]["decode_tok_s"],
+            s["og_share_false"][length]["ttft_s"],
+            s["og_share_false"][length]["decode_tok_s"],
+        ]
+        for length in sorted(s["og_share_true"], key=int)
+    ]
+    lines += ["og.Generator by setting:", ""]
+    lines += _table(
+        [
+            "prompt",
+            "TTFT share=true (s)",
+            "decode share=true",
+            "TTFT share=false (s)",
+            "decode share=false",
+        ],
+        og_rows,
+    )
+    if s.get("og_all_logits_probe"):
+        p = s["og_all_logits_probe"]
         lines += [
-            f"### Sessions ({p['session_turns']} turns of {p['session_new_prompt_tokens']} new "
-            f"prompt tokens + {p['session_new_tokens']} generated): TTFT per turn (s)",
+            f"og.Generator on the all-logits graph that og.Engine needs "
+            f"({p['length']}-token prompt): TTFT {_fmt(p['ttft_s'])} s, decode "
+            f"{_fmt(p['decode_tok_s'], 1)} tok/s.",
             "",
         ]
-        rows = []
-        for t in range(len(ss["alone"]["ours"])):
-            a, ia = ss["alone"], ss["interleaved"]
-            rows.append(
-                [
-                    t + 1,
-                    a["ours"][t],
-                    a["og"][t],
-                    _ratio(a["ours"][t], a["og"][t]),
-                    a["og_modes"][t],
-                    ia["ours"][t],
-                    ia["og"][t],
-                    _ratio(ia["ours"][t], ia["og"][t]),
-                    ia["og_modes"][t],
-                ]
-            )
-        lines += _table(
+    if s.get("agreement"):
+        lines += [f"Greedy tokens (first 32, rep 0) equal to og's: {s['agreement']}.", ""]
+    for name, ss in (s.get("samplings") or {}).items():
+        lines += _single_sampled(name, ss)
+    return lines
+
+
+def _sessions_md(r: Results) -> list[str]:
+    """Multi-turn sessions, alone and interleaved, against og.Engine."""
+    meta = r["meta"]
+    lines: list[str] = []
+    ss = r["sessions"]
+    p = meta["plan"]
+    lines += [
+        f"### Sessions ({p['session_turns']} turns of {p['session_new_prompt_tokens']} new "
+        f"prompt tokens + {p['session_new_tokens']} generated): TTFT per turn (s)",
+        "",
+    ]
+    rows = []
+    for t in range(len(ss["alone"]["ours"])):
+        a, ia = ss["alone"], ss["interleaved"]
+        rows.append(
             [
-                "turn",
-                "alone: ours",
-                "og.Engine",
-                "ours/og",
-                "og request",
-                f"{ss['conversations']} interleaved: ours",
-                "og.Engine",
-                "ours/og",
-                "og request",
-            ],
-            rows,
+                t + 1,
+                a["ours"][t],
+                a["og"][t],
+                _ratio(a["ours"][t], a["og"][t]),
+                a["og_modes"][t],
+                ia["ours"][t],
+                ia["og"][t],
+                _ratio(ia["ours"][t], ia["og"][t]),
+                ia["og_modes"][t],
+            ]
         )
-    if "concurrency" in r:
-        for shape, levels in r["concurrency"].items():
-            lines += _concurrency(shape, levels)
-    if r.get("long"):
-        lines += _long(r["long"])
-    lines += _llama(r.get("llama_server"))
-    lines += _cpu_table(r)
+    lines += _table(
+        [
+            "turn",
+            "alone: ours",
+            "og.Engine",
+            "ours/og",
+            "og request",
+            f"{ss['conversations']} interleaved: ours",
+            "og.Engine",
+            "ours/og",
+            "og request",
+        ],
+        rows,
+    )
+    return lines
+
+
+def _speculation_md(r: Results) -> list[str]:
+    """Prompt-lookup speculation through a server with --speculate."""
+    meta = r["meta"]
+    lines: list[str] = []
     sp = r.get("speculation")
     if sp:
         lines += [
@@ -580,6 +520,12 @@ def markdown(r: Results) -> str:
             ],
             rows,
         )
+    return lines
+
+
+def _cold_start_md(r: Results) -> list[str]:
+    """The first burst after start-up."""
+    lines: list[str] = []
     cold = r.get("cold_start")
     if cold:
         o, g = cold["ours"], cold["og"]
@@ -590,21 +536,32 @@ def markdown(r: Results) -> str:
             f"{_fmt(g['ttft_p50_s'])} s, {_fmt(g['agg_tok_s'], 1)} tok/s.",
             "",
         ]
-    if "rss" in r:
-        rs = r["rss"]
-        lines += [
-            "### Peak RSS (MB): the kernel's peak (VmHWM) summed over each process tree",
-            "",
-        ]
-        rows = [
-            [name, d["hwm_sum_mb"], ", ".join(f"{v:.0f}" for v in d["hwm_by_process_mb"].values())]
-            for name, d in rs["processes"].items()
-        ]
-        lines += _table(["process", "peak RSS", "by process"], rows)
+    return lines
+
+
+def _rss_md(r: Results) -> list[str]:
+    """Peak RSS per process tree."""
+    lines: list[str] = []
+    rs = r["rss"]
+    lines += [
+        "### Peak RSS (MB): the kernel's peak (VmHWM) summed over each process tree",
+        "",
+    ]
+    rows = [
+        [name, d["hwm_sum_mb"], ", ".join(f"{v:.0f}" for v in d["hwm_by_process_mb"].values())]
+        for name, d in rs["processes"].items()
+    ]
+    lines += _table(["process", "peak RSS", "by process"], rows)
+    return lines
+
+
+def _kvstore_md(r: Results) -> list[str]:
+    """KV reuse through the kvstore and its throughput."""
+    lines: list[str] = []
     kv = r.get("kvstore")
     if kv:
         reuse, tp = kv["reuse"], kv["throughput"]
-        lines += ["### KV reuse through the kvstore (issue 4)", ""]
+        lines += ["### KV reuse through the kvstore", ""]
         lines += _table(
             ["measure", "value"],
             [
@@ -627,35 +584,7 @@ def markdown(r: Results) -> str:
                 ["Put GB/s", tp["put_gb_per_s"]],
             ],
         )
-    lines += _sampler(r.get("sampler"))
-    lines += _own_table(
-        "Engine loop per decode step (bench/step_profile.py)",
-        "bench.step_profile",
-        r.get("step_profile"),
-    )
-    lines += _own_table(
-        "Structured output: a JSON schema's cost per token (bench/constrained_bench.py)",
-        "bench.constrained_bench",
-        r.get("constrained"),
-    )
-    lines += _own_table(
-        "Beyond one node: sessions across three replicas sharing Redis (bench/fleet.py)",
-        "bench.fleet",
-        r.get("fleet"),
-    )
-    lines += _own_table(
-        "The HTTP gateway against GenerateStream (bench/http_bench.py)",
-        "bench.http_bench",
-        r.get("http"),
-    )
-    others = [t for t in tg if not (issue14 and t.get("issue14"))]
-    if others:
-        lines += ["### Other targets (issues 4 and 6)" if issue14 else "### Targets", ""]
-        lines += _targets_table(others)
-    notes = meta.get("notes") or []
-    if notes:
-        lines += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
-    return "\n".join(lines)
+    return lines
 
 
 def _engine_note(meta: dict) -> str:
@@ -666,11 +595,6 @@ def _engine_note(meta: dict) -> str:
         " (og.Engine's static batch rejects a graph that returns only the last position's "
         "logits, so it runs an all-logits conversion of the same GGUF with the same weights)"
     )
-
-
-def _issue14_run(r: Results) -> bool:
-    """Whether the run measured issue 14's rows (its plan has samplings)."""
-    return "concurrency_samplings" in (r.get("meta") or {}).get("plan", {})
 
 
 def _targets_table(ts: list[dict]) -> list[str]:
@@ -953,3 +877,167 @@ def _sampler(result: dict | None) -> list[str]:
         return ["Sampler microbenchmark: measured, but no bench/sampler_bench.py to render it.", ""]
     module = importlib.import_module(SAMPLER_MODULE)
     return ["### Sampler microbenchmark (bench/sampler_bench.py)", "", *module.markdown(result), ""]
+
+
+# -- the sections, in report order ----------------------------------------------------
+
+
+def _concurrency_md(r: Results) -> list[str]:
+    """Concurrent streams through the server, per prompt shape."""
+    lines: list[str] = []
+    for shape, levels in r["concurrency"].items():
+        lines += _concurrency(shape, levels)
+    return lines
+
+
+def _own(title: str, module_name: str, key: str) -> Callable[[Results], list[str]]:
+    """A section whose module renders its own table (its ``markdown(result)``)."""
+    return lambda r: _own_table(title, module_name, r.get(key))
+
+
+def _none(r: Results) -> list:
+    return []
+
+
+@dataclass(frozen=True)
+class Section:
+    """One section of a run: present when ``present(r)``; its targets and tables."""
+
+    key: str
+    targets: Callable[[Results], list[dict]] = _none
+    render: Callable[[Results], list[str]] = _none
+    present: Callable[[Results], bool] | None = None  # default: r has ``key``
+
+    def here(self, r: Results) -> bool:
+        return self.present(r) if self.present else bool(r.get(self.key))
+
+
+SECTIONS: tuple[Section, ...] = (
+    Section("single", _single_targets, _single_md),
+    Section("sessions", _sessions_targets, _sessions_md),
+    Section("concurrency", _concurrency_targets, _concurrency_md),
+    Section("long", _long_targets, lambda r: _long(r["long"])),
+    Section("llama_server", _llama_targets, lambda r: _llama(r["llama_server"])),
+    # CPU per token, from the single and concurrency sections' /proc readings.
+    Section("cpu", _cpu_targets, _cpu_table, present=lambda r: bool(cpu_rows(r))),
+    Section("speculation", render=_speculation_md),
+    Section("cold_start", render=_cold_start_md),
+    Section("rss", _rss_targets, _rss_md),
+    Section("kvstore", _kvstore_targets, _kvstore_md),
+    Section("sampler", render=lambda r: _sampler(r.get("sampler"))),
+    # A slot in every run with sampled rows, measured or not, so it is not forgotten.
+    Section(
+        "step_profile",
+        _step_targets,
+        _own(
+            "Engine loop per decode step (bench/step_profile.py)",
+            "bench.step_profile",
+            "step_profile",
+        ),
+        present=lambda r: bool(r.get("step_profile")) or _sampled_run(r),
+    ),
+    Section(
+        "constrained",
+        render=_own(
+            "Structured output: a JSON schema's cost per token (bench/constrained_bench.py)",
+            "bench.constrained_bench",
+            "constrained",
+        ),
+    ),
+    Section(
+        "fleet",
+        render=_own(
+            "Beyond one node: sessions across three replicas sharing Redis (bench/fleet.py)",
+            "bench.fleet",
+            "fleet",
+        ),
+    ),
+    Section(
+        "http",
+        _http_targets,
+        _own(
+            "The HTTP gateway against GenerateStream (bench/http_bench.py)",
+            "bench.http_bench",
+            "http",
+        ),
+    ),
+)
+
+
+def targets(r: Results) -> list[dict]:
+    """Every present section's targets, each with the measured value and whether it is met."""
+    return [t for section in SECTIONS if section.here(r) for t in section.targets(r)]
+
+
+def markdown(r: Results) -> str:
+    """The run's section of docs/benchmarks.md: what ran where, its targets, then
+    each present section's tables."""
+    meta = r["meta"]
+    m, v = meta["machine"], meta["versions"]
+    lines = [
+        f"## {meta['date']}{' (quick)' if meta['plan']['quick'] else ''}",
+        "",
+        f"- Machine: {m['cpu']}, {m['logical_cores']} logical cores "
+        f"({m['affinity_cores']} usable), {m['memory_gib']} GiB; load average at start "
+        f"{', '.join(str(x) for x in m['load_avg_at_start'])}.",
+        f"- Versions: genai-grpc {v['genai-grpc_git_rev']}"
+        f"{' (uncommitted changes)' if v['genai-grpc_git_dirty'] else ''}, onnxruntime "
+        f"{v['onnxruntime']}, onnxruntime-genai {v['onnxruntime-genai']}, Python {m['python']}.",
+        f"- Model: `{meta['model']['name']}` ({meta['model']['weights']}); "
+        f"{meta['plan']['threads']} intra-op threads for every engine; greedy unless a "
+        f"table says otherwise{_samplings_note(meta)}; EOS ignored everywhere; "
+        f"median of {meta['plan']['reps']} rep(s); total run {meta['elapsed_s'] / 60:.1f} min.",
+        "- Ours: the in-process `LLMEngine` and `genai-server` through `GenerateStream` "
+        "(client-side timing: TTFT = first token's arrival, decode = (n−1)/(t_last−t_first)). "
+        "og = onnxruntime-genai in its own process: `og.Generator` for single streams "
+        "(best of `past_present_share_buffer` true/false, per metric), `og.Engine` "
+        f"for sessions and concurrency{_engine_note(meta)}.",
+    ]
+    phases = meta.get("phases") or {}
+    if phases:
+        lines.append(
+            "- CPU taken by other work on the machine during the run, in cores (of "
+            f"{m['logical_cores']}): "
+            + ", ".join(f"{k} {d['foreign_cores']}" for k, d in phases.items())
+            + " (ours: "
+            + ", ".join(f"{k} {d['ours_cores']}" for k, d in phases.items())
+            + ")."
+        )
+    noisy = meta.get("noisy_measurements")
+    if noisy is not None:
+        lines.append(
+            f"- Before each rep the run waited for a quiet moment "
+            f"({meta.get('waited_for_quiet_s', 0)} s in all), and the engines took turns "
+            f"going first in it; "
+            f"{len(meta.get('retried_reps', []))} rep(s) were rerun with fresh prompts because "
+            f"other work took > {meta.get('noisy_threshold_cores')} cores meanwhile; "
+            f"{len(noisy)} rep(s) stayed that disturbed (`meta.noisy_measurements`)."
+        )
+    for name, error in (meta.get("failed_sections") or {}).items():
+        lines.append(f"- **Section `{name}` failed and was not measured**: {error}")
+    lines.append("")
+    lines.append("")
+    tg = r.get("targets") or targets(r)
+    if tg:
+        lines += ["### Targets", ""]
+        if _sampled_run(r):
+            lines += [
+                "(sampled = temperature 0.7, top_p 0.9, top_k 50; sampled_rep: + "
+                "repetition_penalty 1.1; ratios are ours over the other engine with the same "
+                "settings in this run.)",
+                "",
+            ]
+        lines += _targets_table(tg)
+    for section in SECTIONS:
+        if section.here(r):
+            lines += section.render(r)
+    notes = meta.get("notes") or []
+    if notes:
+        lines += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(lines)
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
+    return lines + [""]

@@ -7,9 +7,10 @@
     python -m bench.run --samplings greedy,sampled  # fewer samplings per row (faster)
     python -m bench.run --llama-server ~/llama.cpp/build/bin/llama-server  # + ~4 min
 
-Writes JSON to ``bench/results/<timestamp>.json`` (git-ignored) and appends a
-markdown section to ``docs/benchmarks.md`` (not for ``--quick`` unless
-``--doc``). What is measured and how: ``bench/suite.py``; the timing rules:
+Writes JSON to ``bench/results/<timestamp>.json`` (kept in the repository:
+``bench.history`` reads every run) and rewrites ``docs/benchmarks.md`` with
+this run's tables and the history (a full run only: not for ``--quick`` or a
+subset of ``--sections`` unless ``--doc``). What is measured and how: ``bench/suite.py``; the timing rules:
 ``bench/ours.py`` and ``bench/ortgenai.py``.
 """
 
@@ -35,7 +36,7 @@ from genai_common.logging import configure_logging
 from genai_service.convert.convert import ConvertOptions, convert
 from genai_service.convert.default_model import default_cache_dir, default_gguf, resolve_model
 
-from . import report
+from . import history, report
 from .procs import REPO, CpuLedger, machine_info, versions
 from .suite import NOISY_CORES, Bench
 from .workload import SAMPLINGS, Plan
@@ -62,17 +63,32 @@ DOC = REPO / "docs" / "benchmarks.md"
 DOC_HEADER = """# Benchmarks
 
 `make bench` (or `python -m bench.run`) measures genai-grpc against onnxruntime-genai on the
-default model (SmolLM2-135M-Instruct) in one run and appends a section here; the raw numbers
-are in `bench/results/<timestamp>.json`. Absolute times depend on the machine and its load;
-the ratios are what to compare. `docs/design.md` explains the engine; issues 6 and 14 set the
-targets. Every concurrency row runs greedy, sampled (temperature 0.7, top_p 0.9, top_k 50)
-and sampled with repetition_penalty 1.1 against og.Engine with the same settings; single
-streams greedy and sampled against og.Generator, plus one stream filling the model's
-8,192-token window; a table of CPU per generated token per process (from /proc). Options:
-`--quick` (smoke test), `--sections`, `--samplings greedy` (concurrency rows greedy only),
-`--llama-server PATH [--gguf PATH]` (adds llama.cpp's `llama-server` on the same GGUF;
-skipped without a binary). `python -m bench.history` tabulates the targets across runs.
+default model (SmolLM2-135M-Instruct) in one run and rewrites this page: the run's tables,
+then the history of the headline targets across runs (`python -m bench.history`; every
+target: `--all`). The raw numbers of every full run are in `bench/results/<timestamp>.json`
+(kept in the repository); the runs before 2026-12-03, as they were appended then, are in
+docs/benchmarks-archive.md. Absolute times depend on the machine and its load; the ratios are
+what to compare. `docs/design.md` explains the engine. Every concurrency row runs greedy,
+sampled (temperature 0.7, top_p 0.9, top_k 50) and sampled with repetition_penalty 1.1
+against og.Engine with the same settings; single streams greedy and sampled against
+og.Generator, plus one stream filling the model's 8,192-token window; a table of CPU per
+generated token per process (from /proc). Options: `--quick` (smoke test, writes no page),
+`--sections`, `--samplings greedy` (concurrency rows greedy only), `--llama-server PATH
+[--gguf PATH]` (adds llama.cpp's `llama-server` on the same GGUF; skipped without a binary).
 """
+
+
+def page(section_md: str, history_md: str) -> str:
+    """docs/benchmarks.md: the header, the latest run's section, the history."""
+    return (
+        DOC_HEADER
+        + "\n"
+        + section_md.rstrip("\n")
+        + "\n\n## History of the headline targets\n\n"
+        + "Ratios per run (`*`: met), the latest last; from `bench/results/*.json`.\n\n"
+        + history_md
+        + "\n"
+    )
 
 
 def og_engine_model_dir(model_dir: Path) -> Path:
@@ -309,12 +325,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     section_md = report.markdown(results)
-    write_doc = args.doc if args.doc is not None else not plan.quick
+    # The page is one full run's: a quick run or a subset of sections leaves it.
+    full = set(sections) == set(SECTIONS)
+    write_doc = args.doc if args.doc is not None else not plan.quick and full
     if write_doc:
-        existing = DOC.read_text() if DOC.is_file() else DOC_HEADER
-        DOC.write_text(existing.rstrip("\n") + "\n\n" + section_md)
+        DOC.write_text(page(section_md, history.table(history.result_files())))
     print(section_md)
-    print(f"JSON: {out}" + (f"; appended to {DOC}" if write_doc else ""))
+    print(f"JSON: {out}" + (f"; {DOC} rewritten" if write_doc else ""))
     return 1 if failed else 0
 
 

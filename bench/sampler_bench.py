@@ -6,11 +6,13 @@
 One step is ``prepare(rows)`` + ``sample(logits, args)`` as the engine calls
 them, at V = 49,152 (the default model's vocabulary) for a batch of 1 and 8, on
 peaked, language-model-like logits: Zipf-shaped probabilities over a random
-token order with a per-step sharpness, plus noise. Each configuration runs the
-current sampler and, interleaved in the same process, ``_before_issue14_sample``
-(the sampler as it was before issue 14, kept here only as the baseline), on
-the same logits with generators of the same seed; the table shows the median
-of the repeats and whether both picked the same tokens (they must).
+token order with a per-step sharpness, plus noise; the table shows the median
+of the repeats and whether the first steps picked the same tokens as
+``sampler_golden.json``: the draws of the sampler as it was before it was
+vectorised (issue 14), recorded from that code when it was retired, so a
+change to the sampler that changes what a seed draws shows here. (Its speed
+against that baseline, measured while both existed: docs/benchmarks-archive.md,
+the "Sampler microbenchmark" tables.)
 
 ``measure() -> dict`` and ``markdown(result) -> list[str]`` are the API for a
 caller that includes this table in a bigger report.
@@ -96,37 +98,39 @@ def _step(fn: Sampler, rows: list[SamplingRow], logits: np.ndarray) -> tuple[flo
     return time.perf_counter() - start, out.token_ids.tolist()
 
 
+GOLDEN = Path(__file__).with_name("sampler_golden.json")
+
+
+def golden_key(label: str, batch: int) -> str:
+    return f"{label} | B={batch}"
+
+
 def measure(repeats: int = 200, batches: Sequence[int] = BATCHES) -> dict[str, Any]:
-    """Median per-step and per-row milliseconds, current sampler vs the
-    baseline, for every configuration and batch size."""
+    """Median per-step and per-row milliseconds for every configuration and
+    batch size, and whether the first steps' draws equal the golden ones."""
+    golden = json.loads(GOLDEN.read_text())
     gen = np.random.default_rng(0)
-    impls: dict[str, Sampler] = {"new": sampler.sample, "old": _before_issue14_sample}
     cases = []
     for b in batches:
         steps = [lm_logits(gen, b) for _ in range(N_LOGITS)]
         for label, params, n_top in CONFIGS:
-            rows = {name: _rows(params, n_top, b) for name in impls}
-            times: dict[str, list[float]] = {name: [] for name in impls}
-            tokens: dict[str, list[list[int]]] = {name: [] for name in impls}
-            for rep in range(repeats + 2):  # the first two warm up
-                logits = steps[rep % N_LOGITS]
-                order = list(impls) if rep % 2 else list(impls)[::-1]  # interleaved
-                for name in order:
-                    dt_s, picked = _step(impls[name], rows[name], logits)
-                    if rep >= 2:
-                        times[name].append(dt_s * 1e3)
-                    tokens[name].append(picked)
-            new_ms, old_ms = (statistics.median(times[n]) for n in ("new", "old"))
+            rows = _rows(params, n_top, b)
+            times: list[float] = []
+            tokens: list[list[int]] = []
+            for rep in range(max(repeats + 2, golden["steps"])):  # the first two warm up
+                dt_s, picked = _step(sampler.sample, rows, steps[rep % N_LOGITS])
+                if 2 <= rep < repeats + 2:
+                    times.append(dt_s * 1e3)
+                tokens.append(picked)
+            ms = statistics.median(times)
+            expected = golden["draws"].get(golden_key(label, b))
             cases.append(
                 {
                     "config": label,
                     "batch": b,
-                    "new_ms": new_ms,
-                    "old_ms": old_ms,
-                    "new_per_row_ms": new_ms / b,
-                    "old_per_row_ms": old_ms / b,
-                    "speedup": old_ms / new_ms if new_ms else float("nan"),
-                    "same_tokens": tokens["new"] == tokens["old"],
+                    "ms": ms,
+                    "per_row_ms": ms / b,
+                    "same_tokens": expected is not None and tokens[: golden["steps"]] == expected,
                 }
             )
     top, nucleus = [], []
@@ -140,6 +144,7 @@ def measure(repeats: int = 200, batches: Sequence[int] = BATCHES) -> dict[str, A
             "vocab": VOCAB,
             "repeats": repeats,
             "history_tokens": HISTORY,
+            "golden_steps": golden["steps"],
             "median_top_token_prob_at_t0.7": float(np.median(top)),
             "median_nucleus_0.9_tokens_at_t0.7": float(np.median(nucleus)),
             "load_avg": [round(x, 2) for x in os.getloadavg()],
@@ -156,10 +161,11 @@ def markdown(result: dict[str, Any]) -> list[str]:
     batches = sorted({c["batch"] for c in result["cases"]})
     head = ["config"]
     for b in batches:
-        head += [f"B={b} old ms", f"B={b} new ms", f"B={b} new ms/row"]
+        head += [f"B={b} ms", f"B={b} ms/row"]
     lines = [
         f"Sampler, one step (prepare + sample), V = {meta['vocab']:,}, median of "
-        f"{meta['repeats']} interleaved repeats; old = before issue 14.",
+        f"{meta['repeats']} repeats; same tokens: the first {meta.get('golden_steps', '–')} "
+        "steps' draws equal bench/sampler_golden.json's.",
         "",
         "| " + " | ".join(head) + " | same tokens |",
         "|" + "---|" * (len(head) + 1),
@@ -170,158 +176,12 @@ def markdown(result: dict[str, Any]) -> list[str]:
         for b in batches:
             c = by.get((label, b))
             if c is None:
-                cells += ["–"] * 3
+                cells += ["–"] * 2
                 continue
-            cells += [f"{c['old_ms']:.3f}", f"{c['new_ms']:.3f}", f"{c['new_per_row_ms']:.3f}"]
+            cells += [f"{c['ms']:.3f}", f"{c['per_row_ms']:.3f}"]
             same = same and c["same_tokens"]
         lines.append("| " + " | ".join(cells) + f" | {'yes' if same else 'NO'} |")
     return lines
-
-
-# --- the sampler before issue 14 (baseline only) ------------------------------------
-
-
-def _before_issue14_sample(logits: np.ndarray, args: SamplingArgs) -> SampleOutput:
-    raw = np.asarray(logits, dtype=np.float32)
-    b, v = raw.shape
-    x = sampler.penalize(raw, args)
-    tokens = np.empty(b, dtype=np.int64)
-    greedy = args.temperature == 0
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        g = np.flatnonzero(greedy)
-        if g.size:
-            xg = x if g.size == b else x[g]
-            tg = xg.argmax(axis=1)
-            dead = ~np.isfinite(xg[np.arange(g.size), tg])
-            if dead.any():
-                tg[dead] = raw[g[dead]].argmax(axis=1)
-            tokens[g] = tg
-        s = np.flatnonzero(~greedy)
-        if s.size:
-            tokens[s] = _old_sample_rows(raw, x, s, args)
-        logprobs, top_ids, top_lps = _old_logprobs(raw, tokens, args)
-    return SampleOutput(tokens, logprobs, top_ids, top_lps)
-
-
-_OLD_BLOCK = 256
-
-
-def _old_sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingArgs) -> Any:
-    n, v = s.size, x.shape[1]
-    xs = x[s]
-    xs /= args.temperature[s, None]
-    m = xs.max(axis=1)
-    dead = ~np.isfinite(m)
-    m[dead] = 0.0
-    floor = np.full(n, -np.inf, dtype=np.float32)
-    min_p = args.min_p[s]
-    mp = min_p > 0
-    if mp.any():
-        floor[mp] = m[mp] + np.log(min_p[mp])
-    k = args.top_k[s]
-    kr = np.flatnonzero((k > 0) & (k < v))
-    if kr.size:
-        kmax = int(k[kr].max())
-        top = np.partition(xs[kr], v - kmax, axis=1)[:, v - kmax :]
-        top.sort(axis=1)
-        floor[kr] = np.maximum(floor[kr], top[np.arange(kr.size), kmax - k[kr]])
-    keep = xs >= floor[:, None] if np.isfinite(floor).any() else None
-    e = xs
-    e -= m[:, None]
-    np.exp(e, out=e)
-    if keep is not None:
-        e *= keep
-    starts = np.arange(0, v, _OLD_BLOCK)
-    blocks = np.add.reduceat(e, starts, axis=1)
-    cum = np.cumsum(blocks, axis=1, dtype=np.float64)
-    pr = np.flatnonzero((args.top_p[s] < 1.0) & ~dead)
-    if pr.size:
-        ep = e if pr.size == n else e[pr]
-        ep *= ep >= _old_nucleus_floor(ep, args.top_p[s[pr]] * cum[pr, -1])[:, None]
-        if pr.size < n:
-            e[pr] = ep
-        blocks[pr] = np.add.reduceat(ep, starts, axis=1)
-        cum[pr] = np.cumsum(blocks[pr], axis=1, dtype=np.float64)
-    out = np.empty(n, dtype=np.int64)
-    for i in range(n):
-        u = args.rngs[s[i]].random()
-        j = -1 if dead[i] else _old_draw(e[i], blocks[i], cum[i], u)
-        out[i] = j if j >= 0 else raw[s[i]].argmax()
-    return out
-
-
-def _old_draw(row: np.ndarray, blocks: np.ndarray, cum: np.ndarray, u: float) -> int:
-    if not cum[-1] > 0:
-        return -1
-    target = u * cum[-1]
-    b = min(int(np.searchsorted(cum, target, side="right")), cum.size - 1)
-    while blocks[b] <= 0:
-        b -= 1
-    lo = b * _OLD_BLOCK
-    part = row[lo : lo + _OLD_BLOCK]
-    inner = np.cumsum(part, dtype=np.float64)
-    j = int(np.searchsorted(inner, target - (cum[b - 1] if b else 0.0), side="right"))
-    if j >= part.size:
-        j = int(np.flatnonzero(part)[-1])
-    return lo + j
-
-
-def _old_nucleus_floor(e: np.ndarray, target: np.ndarray) -> Any:
-    p, v = e.shape
-    c = min(v, 1024)
-    head = np.partition(e, v - c, axis=1)[:, v - c :] if c < v else e.copy()
-    head.sort(axis=1)
-    head = head[:, ::-1]
-    reached = np.cumsum(head, axis=1, dtype=np.float64) >= target[:, None]
-    found = reached.any(axis=1)
-    out = np.where(found, head[np.arange(p), reached.argmax(axis=1)], 0.0).astype(np.float32)
-    if c < v:
-        for i in np.flatnonzero(~found):
-            full = np.sort(e[i])[::-1]
-            hit = np.cumsum(full, dtype=np.float64) >= target[i]
-            out[i] = full[hit.argmax()] if hit.any() else 0.0
-    return out
-
-
-def _old_logprobs(
-    raw: np.ndarray, tokens: np.ndarray, args: SamplingArgs
-) -> tuple[np.ndarray | None, list[np.ndarray], list[np.ndarray]]:
-    b, v = raw.shape
-    no_ids = np.zeros(0, dtype=np.int64)
-    no_lps = np.zeros(0, dtype=np.float32)
-    top_ids = [no_ids] * b
-    top_lps = [no_lps] * b
-    n_top = np.minimum(args.top_logprobs, v)
-    lr = np.flatnonzero(args.want_logprobs | (n_top > 0))
-    if not lr.size:
-        return None, top_ids, top_lps
-    r = raw if lr.size == b else raw[lr]  # [L, V]; read only
-    m = r.max(axis=1)
-    lse = m + np.log(np.exp(r - m[:, None]).sum(axis=1))  # [L]
-    logprobs = np.zeros(b, dtype=np.float32)
-    logprobs[lr] = r[np.arange(lr.size), tokens[lr]] - lse
-
-    t = np.flatnonzero(n_top[lr] > 0)  # positions in lr
-    if t.size:
-        n = int(n_top[lr[t]].max())
-        rt = r[t]  # [T, V]
-        ids = np.argpartition(rt, v - n, axis=1)[:, v - n :] if n < v else np.argsort(rt, axis=1)
-        vals = np.take_along_axis(rt, ids, axis=1)  # [T, n]
-        # Where a tie straddles the cut, argpartition's pick is arbitrary:
-        # take the lowest ids among the tied tokens instead.
-        cut = vals.min(axis=1)
-        for j in np.flatnonzero(np.count_nonzero(rt >= cut[:, None], axis=1) > n):
-            cand = np.flatnonzero(rt[j] >= cut[j])  # ascending ids
-            ids[j] = cand[np.lexsort((cand, -rt[j, cand]))[:n]]
-            vals[j] = rt[j, ids[j]]
-        order = np.lexsort((ids, -vals), axis=1)  # most likely first, ties by lowest id
-        ids = np.take_along_axis(ids, order, axis=1)
-        lps = (np.take_along_axis(vals, order, axis=1) - lse[t, None]).astype(np.float32)
-        for k, pos in enumerate(t):
-            row, want = int(lr[pos]), int(n_top[lr[pos]])
-            top_ids[row] = ids[k, :want].astype(np.int64)
-            top_lps[row] = lps[k, :want].copy()
-    return logprobs, top_ids, top_lps
 
 
 def main(argv: Sequence[str] | None = None) -> int:

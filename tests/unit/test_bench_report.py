@@ -1,4 +1,4 @@
-"""The benchmark's report of issue 14's rows (bench/report.py, bench/history.py), its
+"""The benchmark's report per section (bench/report.py, bench/history.py), its
 /proc CPU reader (bench/procs.py) and its llama-server client (bench/llama.py), on
 synthetic results and a stand-in llama-server; no engine runs here."""
 
@@ -37,12 +37,14 @@ def _conc(tok_s: float, cpu: dict | None = None) -> dict:
 OURS_CPU = {"frontend": 0.12, "engine": 6.0, "client": 0.2}
 
 
-def results(*, issue14: bool = True) -> dict:
+def results(*, sampled_rows: bool = True) -> dict:
     """A run's results in the shape bench/suite.py writes (two lengths, one shape)."""
     lengths = ("128", "512")
     single: dict = {
         "ours_inproc": {k: _single(0.10, 70.0) for k in lengths},
-        "ours_server": {k: _single(0.11, 66.0, OURS_CPU if issue14 else None) for k in lengths},
+        "ours_server": {
+            k: _single(0.11, 66.0, OURS_CPU if sampled_rows else None) for k in lengths
+        },
         "og_share_true": {k: _single(0.12, 60.0, {"og": 8.0}) for k in lengths},
         "og_share_false": {k: _single(0.13, 55.0) for k in lengths},
     }
@@ -52,13 +54,13 @@ def results(*, issue14: bool = True) -> dict:
     }
     shape = "64-token prompts + 256 new tokens"
     row: dict = {
-        "ours": _conc(160.0, OURS_CPU if issue14 else None),
+        "ours": _conc(160.0, OURS_CPU if sampled_rows else None),
         "ours_inproc": _conc(170.0),
         "og": _conc(120.0, {"og": 5.0}),
     }
     plan: dict = {"quick": False, "reps": 1, "threads": 2, "single_new_tokens": 32}
     r: dict = {"single": single, "concurrency": {shape: {"1": row, "8": row}}}
-    if issue14:
+    if sampled_rows:
         sampled = {
             "label": "temperature 0.7, top_p 0.9, top_k 50",
             "ours_server": {k: _single(0.11, 63.0, OURS_CPU) for k in lengths},
@@ -111,30 +113,30 @@ def _by_name(r: dict) -> dict[str, dict]:
     return {t["target"]: t for t in report.targets(r)}
 
 
-def test_issue14_targets_compare_each_sampling_with_the_same_sampling_and_with_greedy() -> None:
+def test_sampled_targets_compare_each_sampling_with_the_same_sampling_and_with_greedy() -> None:
     ts = _by_name(results())
     shape = "64-token prompts + 256 new tokens"
-    t = ts[f"issue 14: 8 streams, {shape}, sampled: total tok/s ≥ 1.3× og.Engine same sampling"]
-    assert t["measured"] == pytest.approx(1.52) and t["met"] is True
-    t = ts[f"issue 14: 8 streams, {shape}, sampled_rep: total tok/s ≥ 0.95× ours greedy"]
+    t = ts[f"8 streams, {shape}, sampled: total tok/s ≥ 1.3× og.Engine same sampling"]
+    assert t["measured"] == pytest.approx(1.52) and t["met"] is True and t["headline"]
+    t = ts[f"8 streams, {shape}, sampled_rep: total tok/s ≥ 0.95× ours greedy"]
     assert t["measured"] == pytest.approx(130 / 160) and t["met"] is False
-    t = ts["issue 14: single stream 512 tokens, sampled: decode tok/s ≥ 1.0× og.Generator (best)"]
+    t = ts["single stream 512 tokens, sampled: decode tok/s ≥ 1.0× og.Generator (best)"]
     assert t["measured"] == pytest.approx(63 / 64) and t["met"] is False
-    t = ts["issue 14: single stream, 8192-token context, greedy: TTFT ≤ 1.0× og.Generator"]
+    t = ts["single stream, 8192-token context, greedy: TTFT ≤ 1.0× og.Generator"]
     assert t["measured"] == pytest.approx(0.8) and t["met"] is True
-    t = ts[f"issue 14: 8 streams, {shape}, greedy: frontend CPU per streamed token ≤ 0.15 ms"]
+    t = ts[f"8 streams, {shape}, greedy: frontend CPU per streamed token ≤ 0.15 ms"]
     assert t["unit"] == "ms" and t["measured"] == pytest.approx(0.12) and t["met"] is True
-    assert "issue 14: 1 stream, 512 tokens, greedy: frontend CPU per streamed token ≤ 0.15 ms" in ts
+    assert "1 stream, 512 tokens, greedy: frontend CPU per streamed token ≤ 0.15 ms" in ts
     # the step profile's slot: not measured in this run
     (slot,) = (t for name, t in ts.items() if "engine-loop Python" in name)
     assert math.isnan(slot["measured"]) and slot["met"] is None
-    # issue 6's greedy targets keep their names
     assert f"8 streams, {shape}: total tok/s ≥ 1.3× og.Engine" in ts
+    assert not [n for n in ts if "issue" in n]
 
 
-def test_runs_from_before_issue14_give_only_the_old_targets() -> None:
-    names = list(_by_name(results(issue14=False)))
-    assert names and not [n for n in names if n.startswith("issue 14")]
+def test_a_greedy_only_run_gives_only_the_greedy_targets() -> None:
+    names = list(_by_name(results(sampled_rows=False)))
+    assert names and not [n for n in names if "sampled" in n or "engine-loop" in n]
 
 
 def test_markdown_has_the_sampled_rows_the_cpu_table_and_the_skipped_sections() -> None:
@@ -149,11 +151,12 @@ def test_markdown_has_the_sampled_rows_the_cpu_table_and_the_skipped_sections() 
     assert "llama-server: not measured (no --llama-server binary given)." in md
     assert "Sampler microbenchmark: not measured" in md
     assert "0.12 ms | yes |" in md  # a target in ms
-    # issue 14's targets (with the greedy ones it restates) lead the section
-    summary = md[md.index("### Issue 14 targets") : md.index("### Single stream")]
+    # one targets table leads, then the sections in SECTIONS order
+    summary = md[md.index("### Targets") : md.index("### Single stream")]
     assert "sampled: total tok/s ≥ 1.3× og.Engine same sampling | 1.52× | yes |" in summary
     assert "| 8 streams, 64-token prompts + 256 new tokens: total tok/s ≥ 1.3× og.Engine" in summary
-    assert "### Other targets (issues 4 and 6)" in md
+    assert md.index("### Single stream") < md.index("### Concurrent") < md.index("### CPU per")
+    assert md.count("### Targets") == 1
 
 
 def test_a_failed_section_is_named_and_the_rest_is_reported() -> None:
@@ -182,21 +185,45 @@ def test_a_section_that_raises_is_recorded_and_the_next_one_runs() -> None:
     assert results == {"http": {"ok": 1}}
 
 
-def test_markdown_of_a_run_before_issue14_keeps_one_targets_table() -> None:
-    r = results(issue14=False)
+def test_markdown_of_a_greedy_only_run_keeps_one_targets_table() -> None:
+    r = results(sampled_rows=False)
     r["targets"] = report.targets(r)
     md = report.markdown(r)
-    assert "### Targets" in md and "Issue 14" not in md and "CPU per generated" not in md
+    assert md.count("### Targets") == 1 and "CPU per generated" not in md
 
 
-def test_history_lists_the_issue14_targets(tmp_path: Path) -> None:
-    old, new = results(issue14=False), results()
+def test_history_follows_the_headline_targets(tmp_path: Path) -> None:
+    old, new = results(sampled_rows=False), results()
     new["meta"]["date"] = "2026-12-02 01:00 UTC"
     (tmp_path / "a.json").write_text(json.dumps(old))
     (tmp_path / "b.json").write_text(json.dumps(new))
-    table = history.table(sorted(tmp_path.glob("*.json")))
+    files = sorted(tmp_path.glob("*.json"))
+    table = history.table(files)
     line = next(x for x in table.splitlines() if "sampled: total tok/s ≥ 1.3×" in x)
     assert line.endswith("| – | 1.52* | 1/1 |")
+    assert "TTFT ≤ 1.0× og.Generator" not in table  # not a headline target
+    assert "TTFT ≤ 1.0× og.Generator" in history.table(files, headline_only=False)
+    assert history.table(files, runs=1).splitlines()[0].count("|") == 4
+
+
+def test_the_page_is_the_latest_run_and_the_history() -> None:
+    from bench.run import page
+
+    r = results()
+    r["targets"] = report.targets(r)
+    text = page(report.markdown(r), "| target | x | met |")
+    assert text.startswith("# Benchmarks\n") and text.count("\n## ") == 2
+    assert text.rstrip().endswith("| target | x | met |")
+
+
+def test_the_sampler_draws_what_it_drew_before_it_was_vectorised() -> None:
+    from bench import sampler_bench
+
+    result = sampler_bench.measure(repeats=1)
+    assert len(result["cases"]) == 14
+    assert all(c["same_tokens"] for c in result["cases"]), [
+        (c["config"], c["batch"]) for c in result["cases"] if not c["same_tokens"]
+    ]
 
 
 def test_proc_cpu_seconds_counts_this_process_and_nan_for_a_gone_one() -> None:
