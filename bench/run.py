@@ -10,8 +10,8 @@
 Writes JSON to ``bench/results/<timestamp>.json`` (kept in the repository:
 ``bench.history`` reads every run) and rewrites ``docs/benchmarks.md`` with
 this run's tables and the history (a full run only: not for ``--quick`` or a
-subset of ``--sections`` unless ``--doc``). What is measured and how: ``bench/suite.py``; the timing rules:
-``bench/ours.py`` and ``bench/ortgenai.py``.
+subset of ``--sections`` unless ``--doc``). What is measured and how:
+``bench/suite.py``; the timing rules: ``bench/ours.py`` and ``bench/ortgenai.py``.
 """
 
 from __future__ import annotations
