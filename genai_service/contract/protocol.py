@@ -44,6 +44,23 @@ class ResetSession:
 
 
 @dataclass(frozen=True)
+class RewindSession:
+    session_id: str
+    principal: str = ""
+    turns: int | None = None  # exactly one of turns and history_tokens
+    history_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class ForkSession:
+    session_id: str
+    principal: str = ""  # owns the parent; owns the fork
+    turns: int | None = None  # None: the parent's whole history
+    idle_ttl_s: float | None = None
+    metadata: dict[str, str] | None = None
+
+
+@dataclass(frozen=True)
 class CloseSession:
     session_id: str
     principal: str = ""
@@ -61,7 +78,16 @@ class Stats:
     """The engine's counters and gauges (for /metrics)."""
 
 
-Call = CreateSession | GetSession | ResetSession | CloseSession | ListSessions | Stats
+Call = (
+    CreateSession
+    | GetSession
+    | ResetSession
+    | RewindSession
+    | ForkSession
+    | CloseSession
+    | ListSessions
+    | Stats
+)
 
 # -- frontend → engine ---------------------------------------------------------
 

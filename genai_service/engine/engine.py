@@ -338,6 +338,25 @@ class LLMEngine(InProcessDriver):
     def reset_session(self, session_id: str, principal: str = "") -> SessionInfo | PendingCall:
         return self.session_calls.reset(session_id, principal)
 
+    def rewind_session(
+        self,
+        session_id: str,
+        principal: str = "",
+        turns: int | None = None,
+        history_tokens: int | None = None,
+    ) -> SessionInfo | PendingCall:
+        return self.session_calls.rewind(session_id, principal, turns, history_tokens)
+
+    def fork_session(
+        self,
+        session_id: str,
+        principal: str = "",
+        turns: int | None = None,
+        idle_ttl_s: float | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> SessionInfo | PendingCall:
+        return self.session_calls.fork(session_id, principal, turns, idle_ttl_s, metadata)
+
     def close_session(self, session_id: str, principal: str = "") -> SessionInfo | PendingCall:
         return self.session_calls.close(session_id, principal)
 
@@ -462,6 +481,7 @@ class LLMEngine(InProcessDriver):
             elif not abort:
                 session.history = list(seq.token_ids)
                 session.turns += 1
+                session.turn_ends.append(len(session.history))
                 self.session_calls.save(session)
                 # The last sampled token has no KV yet: compute it next step so
                 # the next turn reuses the whole history.

@@ -38,12 +38,14 @@ from ..contract.protocol import (
     CreateSession,
     EngineCall,
     Fatal,
+    ForkSession,
     FromEngine,
     GetSession,
     ListSessions,
     Outputs,
     Ready,
     ResetSession,
+    RewindSession,
     Stats,
     Stop,
     ToEngine,
@@ -138,6 +140,14 @@ def dispatch(engine: LLMEngine, call: Call) -> Any:
             return engine.get_session(call.session_id, call.principal)
         case ResetSession():
             return engine.reset_session(call.session_id, call.principal)
+        case RewindSession():
+            return engine.rewind_session(
+                call.session_id, call.principal, call.turns, call.history_tokens
+            )
+        case ForkSession():
+            return engine.fork_session(
+                call.session_id, call.principal, call.turns, call.idle_ttl_s, call.metadata
+            )
         case CloseSession():
             return engine.close_session(call.session_id, call.principal)
         case ListSessions():

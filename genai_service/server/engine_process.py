@@ -47,12 +47,14 @@ from ..contract.protocol import (
     CreateSession,
     EngineCall,
     Fatal,
+    ForkSession,
     FromEngine,
     GetSession,
     ListSessions,
     Outputs,
     Ready,
     ResetSession,
+    RewindSession,
     Stats,
     Stop,
     ToEngine,
@@ -395,6 +397,33 @@ class EngineProcess:
 
     async def reset_session(self, session_id: str, principal: str = "") -> SessionInfo:
         info: SessionInfo = await self._call(ResetSession(session_id, principal))
+        return info
+
+    async def rewind_session(
+        self,
+        session_id: str,
+        principal: str = "",
+        *,
+        turns: int | None = None,
+        history_tokens: int | None = None,
+    ) -> SessionInfo:
+        info: SessionInfo = await self._call(
+            RewindSession(session_id, principal, turns, history_tokens)
+        )
+        return info
+
+    async def fork_session(
+        self,
+        session_id: str,
+        principal: str = "",
+        *,
+        turns: int | None = None,
+        idle_ttl_s: float | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> SessionInfo:
+        info: SessionInfo = await self._call(
+            ForkSession(session_id, principal, turns, idle_ttl_s, metadata)
+        )
         return info
 
     async def close_session(self, session_id: str, principal: str = "") -> SessionInfo:

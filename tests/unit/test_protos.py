@@ -31,7 +31,15 @@ def test_public_names_of_the_design() -> None:
         "GenerateService": (generate_pb2, {"Generate", "GenerateStream", "GenerateBidi"}),
         "SessionService": (
             session_pb2,
-            {"CreateSession", "GetSession", "ResetSession", "CloseSession", "ListSessions"},
+            {
+                "CreateSession",
+                "GetSession",
+                "ResetSession",
+                "RewindSession",
+                "ForkSession",
+                "CloseSession",
+                "ListSessions",
+            },
         ),
         "ModelService": (model_pb2, {"GetModelInfo", "Tokenize", "Detokenize"}),
     }

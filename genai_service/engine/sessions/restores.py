@@ -311,6 +311,31 @@ class SessionCalls:
 
         return self.use(session_id, principal, reset)
 
+    def rewind(
+        self, session_id: str, principal: str, turns: int | None, history_tokens: int | None
+    ) -> SessionInfo | PendingCall:
+        def rewind(session: Session) -> SessionInfo:
+            session = self.table.rewind(session.session_id, turns, history_tokens)
+            self.save(session)
+            return SessionTable.info(session)
+
+        return self.use(session_id, principal, rewind)
+
+    def fork(
+        self,
+        session_id: str,
+        principal: str,
+        turns: int | None,
+        idle_ttl_s: float | None,
+        metadata: dict[str, str] | None,
+    ) -> SessionInfo | PendingCall:
+        def fork(parent: Session) -> SessionInfo:
+            child = self.table.fork(parent, turns, idle_ttl_s, principal, metadata)
+            self.save(child)
+            return SessionTable.info(child)
+
+        return self.use(session_id, principal, fork)
+
     def close(self, session_id: str, principal: str) -> SessionInfo | PendingCall:
         def close(session: Session) -> SessionInfo:
             if session.running_request_id is not None:

@@ -37,7 +37,7 @@ from genai_common.errors import FailedPrecondition, InvalidArgument, NotFound, R
 
 from ...config import SESSION_LIST_PAGE_BYTES
 from ...contract.sessions import SessionInfo
-from ..kv.prefix_cache import kv_nbytes
+from ..kv.prefix_cache import KvLayers, kv_nbytes
 
 log = structlog.get_logger(__name__)
 
@@ -61,6 +61,9 @@ class Session:
     metadata: dict[str, str] = field(default_factory=dict)
     history: list[int] = field(default_factory=list)
     turns: int = 0
+    # len(history) after each completed turn (RewindSession's turn targets);
+    # a record written before they were kept has none (only token targets then).
+    turn_ends: list[int] = field(default_factory=list)
     # Bumped by every saved change (its record carries it): a record with a
     # higher version was written by another replica since (``SessionTable.adopt``).
     version: int = 0
@@ -248,8 +251,53 @@ class SessionTable:
         self._release_kv(session)
         session.history = []
         session.turns = 0
+        session.turn_ends = []
         session.last_used_at = self._clock()
         return session
+
+    def rewind(
+        self, session_id: str, turns: int | None = None, history_tokens: int | None = None
+    ) -> Session:
+        """Keep the first ``turns`` completed turns, or the first
+        ``history_tokens`` tokens, of a session's history; the parked KV of
+        what is kept stays (cut at the new end)."""
+        session = self.get(session_id)
+        if session.busy or session.committing:
+            raise FailedPrecondition(
+                f"session_id: session {session_id!r} is running a turn; it cannot be rewound now"
+            )
+        end = history_end(session, turns, history_tokens)
+        session.history = session.history[:end]
+        session.turn_ends = [e for e in session.turn_ends if e <= end]
+        session.turns = len(session.turn_ends) if turns is None else turns
+        if session.kv is not None:
+            session.kv, session.kv_len = cut_chunks(session.kv, min(session.kv_len, end))
+            if not session.kv:
+                session.kv = None
+        session.last_used_at = self._clock()
+        return session
+
+    def fork(
+        self,
+        parent: Session,
+        turns: int | None,
+        idle_ttl_s: float | None,
+        owner: str,
+        metadata: dict[str, str] | None,
+    ) -> Session:
+        """A new session with ``parent``'s history (or its first ``turns``
+        turns) and its parked KV: the same chunk arrays, which nothing writes
+        to, so neither session's turns change the other's."""
+        end = history_end(parent, turns, None)
+        child = self.create(idle_ttl_s, owner, metadata)
+        child.history = parent.history[:end]
+        child.turn_ends = [e for e in parent.turn_ends if e <= end]
+        child.turns = parent.turns if turns is None else turns
+        if parent.kv is not None and parent.kv_ready:
+            kv, n = cut_chunks(parent.kv, min(parent.kv_len, end))
+            if kv:
+                child.kv, child.kv_len = kv, n
+        return child
 
     def close(self, session_id: str) -> Session:
         session = self.get(session_id)
@@ -349,6 +397,51 @@ class SessionTable:
         )
 
 
+def history_end(session: Session, turns: int | None, history_tokens: int | None) -> int:
+    """Where a rewind or fork to ``turns`` turns or ``history_tokens`` tokens
+    cuts ``session``'s history; INVALID_ARGUMENT past its end."""
+    if turns is not None:
+        if turns > session.turns:
+            raise InvalidArgument(
+                f"turns: {turns} is past the end; the session has {session.turns} turns"
+            )
+        if turns == 0:
+            return 0
+        if len(session.turn_ends) != session.turns:
+            raise InvalidArgument(
+                "turns: this session's turn boundaries were not recorded (it was saved by an "
+                "older server); give history_tokens instead"
+            )
+        return session.turn_ends[turns - 1]
+    if history_tokens is None:
+        return len(session.history)
+    if history_tokens > len(session.history):
+        raise InvalidArgument(
+            f"history_tokens: {history_tokens} is past the end; the session holds "
+            f"{len(session.history)} tokens"
+        )
+    return history_tokens
+
+
+def cut_chunks(chunks: builtins.list[KvLayers], n: int) -> tuple[builtins.list[KvLayers], int]:
+    """The first ``n`` tokens of parked KV chunks: whole chunks as they are
+    (shared), the one that straddles ``n`` as a view of its first tokens."""
+    kept: builtins.list[KvLayers] = []
+    have = 0  # callers keep None, not [], for no KV
+    for chunk in chunks:
+        if have >= n:
+            break
+        size = chunk[0][0].shape[1]
+        if have + size <= n:
+            kept.append(chunk)
+            have += size
+        else:
+            take = n - have
+            kept.append([(k[:, :take], v[:, :take]) for k, v in chunk])
+            have = n
+    return kept, have
+
+
 # -- kvstore records -------------------------------------------------------------
 
 
@@ -393,6 +486,7 @@ def session_record(session: Session) -> bytes:
         "last_used_at": session.last_used_at,
         "idle_ttl_s": session.idle_ttl_s,
         "turns": session.turns,
+        "turn_ends": session.turn_ends,
         "version": session.version,
         "metadata": session.metadata,
         "history": session.history,
@@ -423,6 +517,7 @@ def session_from_record(session_id: str, data: bytes, vocab_size: int) -> Sessio
             metadata={str(k): str(v) for k, v in rec.get("metadata", {}).items()},
             history=history,
             turns=int(rec.get("turns", 0)),
+            turn_ends=[int(e) for e in rec.get("turn_ends", [])],
             version=int(rec.get("version", 0)),
         )
     except (ValueError, KeyError, TypeError) as exc:
