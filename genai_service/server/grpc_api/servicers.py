@@ -226,13 +226,7 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
     async def CreateSession(
         self, request: session_pb2.CreateSessionRequest, context: grpc.aio.ServicerContext
     ) -> session_pb2.CreateSessionResponse:
-        ttl = None
-        if request.HasField("idle_ttl_seconds"):
-            if request.idle_ttl_seconds == 0:
-                raise InvalidArgument(
-                    "idle_ttl_seconds: 0 is out of range; allowed [1, 4294967295]"
-                )
-            ttl = float(request.idle_ttl_seconds)
+        ttl = _idle_ttl(request)
         # Before anything reaches the engine (docs/design.md "Sessions").
         check_metadata(request.metadata, self.fe.engine.config.sessions)
         info = await self.fe.engine.create_session(ttl, principal(), dict(request.metadata))
@@ -253,6 +247,33 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         return session_pb2.ResetSessionResponse(session=convert.session(info))
 
     @rpc
+    async def RewindSession(
+        self, request: session_pb2.RewindSessionRequest, context: grpc.aio.ServicerContext
+    ) -> session_pb2.RewindSessionResponse:
+        target = request.WhichOneof("target")
+        if target is None:
+            raise InvalidArgument("target: set turns or history_tokens")
+        info = await self.fe.engine.rewind_session(
+            request.session_id, principal(), **{target: getattr(request, target)}
+        )
+        return session_pb2.RewindSessionResponse(session=convert.session(info))
+
+    @rpc
+    async def ForkSession(
+        self, request: session_pb2.ForkSessionRequest, context: grpc.aio.ServicerContext
+    ) -> session_pb2.ForkSessionResponse:
+        ttl = _idle_ttl(request)
+        check_metadata(request.metadata, self.fe.engine.config.sessions)
+        info = await self.fe.engine.fork_session(
+            request.session_id,
+            principal(),
+            turns=request.turns if request.HasField("turns") else None,
+            idle_ttl_s=ttl,
+            metadata=dict(request.metadata),
+        )
+        return session_pb2.ForkSessionResponse(session=convert.session(info))
+
+    @rpc
     async def CloseSession(
         self, request: session_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> session_pb2.CloseSessionResponse:
@@ -270,6 +291,15 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
             sessions=[convert.session(i) for i in page.sessions],
             next_page_token=page.next_page_token,
         )
+
+
+def _idle_ttl(request: Any) -> float | None:
+    """A CreateSession or ForkSession request's idle_ttl_seconds (None: unset)."""
+    if not request.HasField("idle_ttl_seconds"):
+        return None
+    if request.idle_ttl_seconds == 0:
+        raise InvalidArgument("idle_ttl_seconds: 0 is out of range; allowed [1, 4294967295]")
+    return float(request.idle_ttl_seconds)
 
 
 class ModelServicer(model_pb2_grpc.ModelServiceServicer):

@@ -88,6 +88,8 @@ class HttpGateway:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/sessions", self.create_session, methods=["POST"]),
+                Route("/v1/sessions/{session_id}:rewind", self.rewind_session, methods=["POST"]),
+                Route("/v1/sessions/{session_id}:fork", self.fork_session, methods=["POST"]),
                 Route("/v1/sessions/{session_id}", self.get_session, methods=["GET"]),
                 Route("/v1/sessions/{session_id}", self.close_session, methods=["DELETE"]),
                 Route("/health", self.health, methods=["GET"]),
@@ -308,34 +310,60 @@ class HttpGateway:
         self.fe.metrics.observe_rpc(name, "OK", started)
         return _json(body)
 
+    async def _object(self, request: Request, fields: tuple[str, ...]) -> dict[str, Any]:
+        body = await self._body(request)
+        if not isinstance(body, dict):
+            raise InvalidArgument("body: must be a JSON object")
+        for key in body:
+            if key not in fields:
+                raise InvalidArgument(f"{key}: unknown field")
+        return body
+
+    def _new_session_fields(self, body: dict[str, Any]) -> tuple[float | None, dict[str, str]]:
+        """``idle_ttl_seconds`` and ``metadata`` of a CreateSession or ForkSession body."""
+        ttl = _count(body, "idle_ttl_seconds", low=1)
+        metadata: Any = body.get("metadata") or {}
+        if not isinstance(metadata, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+        ):
+            raise InvalidArgument("metadata: must be an object of strings")
+        check_metadata(metadata, self.fe.engine.config.sessions)
+        return (float(ttl) if ttl is not None else None), metadata
+
     async def create_session(self, request: Request) -> Response:
         async def run() -> dict[str, Any]:
-            body = await self._body(request)
-            if not isinstance(body, dict):
-                raise InvalidArgument("body: must be a JSON object")
-            for key in body:
-                if key not in ("idle_ttl_seconds", "metadata"):
-                    raise InvalidArgument(f"{key}: unknown field")
-            ttl = body.get("idle_ttl_seconds")
-            if ttl is not None and (
-                not isinstance(ttl, int) or isinstance(ttl, bool) or not 1 <= ttl < 2**32
-            ):
-                raise InvalidArgument(
-                    f"idle_ttl_seconds: {json.dumps(ttl)[:40]} is out of range; allowed "
-                    "[1, 4294967295]"
-                )
-            metadata: Any = body.get("metadata") or {}
-            if not isinstance(metadata, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
-            ):
-                raise InvalidArgument("metadata: must be an object of strings")
-            check_metadata(metadata, self.fe.engine.config.sessions)
-            info = await self.fe.engine.create_session(
-                float(ttl) if ttl is not None else None, principal(), metadata
+            body = await self._object(request, ("idle_ttl_seconds", "metadata"))
+            ttl, metadata = self._new_session_fields(body)
+            return self._session(await self.fe.engine.create_session(ttl, principal(), metadata))
+
+        return await self._session_call(request, "CreateSession", run)
+
+    async def rewind_session(self, request: Request) -> Response:
+        async def run() -> dict[str, Any]:
+            body = await self._object(request, ("turns", "history_tokens"))
+            if len(body) != 1:
+                raise InvalidArgument("body: give one of turns and history_tokens")
+            (name,) = body
+            sid = request.path_params["session_id"]
+            target = {name: _count(body, name, low=0)}
+            return self._session(await self.fe.engine.rewind_session(sid, principal(), **target))
+
+        return await self._session_call(request, "RewindSession", run)
+
+    async def fork_session(self, request: Request) -> Response:
+        async def run() -> dict[str, Any]:
+            body = await self._object(request, ("turns", "idle_ttl_seconds", "metadata"))
+            ttl, metadata = self._new_session_fields(body)
+            info = await self.fe.engine.fork_session(
+                request.path_params["session_id"],
+                principal(),
+                turns=_count(body, "turns", low=0),
+                idle_ttl_s=ttl,
+                metadata=metadata,
             )
             return self._session(info)
 
-        return await self._session_call(request, "CreateSession", run)
+        return await self._session_call(request, "ForkSession", run)
 
     async def get_session(self, request: Request) -> Response:
         async def run() -> dict[str, Any]:
@@ -351,3 +379,15 @@ class HttpGateway:
             return {"id": sid, "object": "session", "deleted": True}
 
         return await self._session_call(request, "CloseSession", run)
+
+
+def _count(body: dict[str, Any], name: str, *, low: int) -> int | None:
+    """An unsigned 32-bit integer field of a JSON body (None when absent)."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value < 2**32:
+        raise InvalidArgument(
+            f"{name}: {json.dumps(value)[:40]} is out of range; allowed [{low}, 4294967295]"
+        )
+    return value
