@@ -228,6 +228,33 @@ def reset_session_request(session_id: str) -> session_pb2.ResetSessionRequest:
     return session_pb2.ResetSessionRequest(session_id=session_id)
 
 
+def rewind_session_request(
+    session_id: str, turns: int | None, history_tokens: int | None
+) -> session_pb2.RewindSessionRequest:
+    if (turns is None) == (history_tokens is None):
+        raise ValueError("give one of turns and history_tokens")
+    request = session_pb2.RewindSessionRequest(session_id=session_id)
+    if turns is not None:
+        request.turns = turns
+    else:
+        request.history_tokens = history_tokens  # type: ignore[assignment]
+    return request
+
+
+def fork_session_request(
+    session_id: str,
+    turns: int | None,
+    idle_ttl_seconds: int | None,
+    metadata: Mapping[str, str] | None,
+) -> session_pb2.ForkSessionRequest:
+    request = session_pb2.ForkSessionRequest(session_id=session_id, metadata=dict(metadata or {}))
+    if turns is not None:
+        request.turns = turns
+    if idle_ttl_seconds is not None:
+        request.idle_ttl_seconds = idle_ttl_seconds
+    return request
+
+
 def close_session_request(session_id: str) -> session_pb2.CloseSessionRequest:
     return session_pb2.CloseSessionRequest(session_id=session_id)
 

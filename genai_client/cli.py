@@ -4,6 +4,8 @@
     genai generate --token-ids 1,15043 --json
     genai chat --system "You are terse."
     genai session create --idle-ttl-seconds 600
+    genai session rewind ID --turns 2
+    genai session fork ID
     genai info
     genai tokenize "Hello world"
 
@@ -16,6 +18,7 @@ go to stderr), 2 on bad usage, 130 when interrupted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -234,6 +237,23 @@ def build_parser() -> argparse.ArgumentParser:
         ("close", "close a session"),
     ):
         actions.add_parser(name, help=help_text).add_argument("session_id", metavar="ID")
+    rewind = actions.add_parser("rewind", help="step a session back (its KV of the rest stays)")
+    rewind.add_argument("session_id", metavar="ID")
+    target = rewind.add_mutually_exclusive_group(required=True)
+    target.add_argument("--turns", type=int, help="keep the first N turns")
+    target.add_argument("--history-tokens", type=int, help="keep the first N tokens")
+    fork = actions.add_parser("fork", help="a new session with this one's history and KV")
+    fork.add_argument("session_id", metavar="ID")
+    fork.add_argument("--turns", type=int, help="only the first N turns")
+    fork.add_argument("--idle-ttl-seconds", type=int)
+    fork.add_argument(
+        "--metadata",
+        type=_key_value,
+        action="append",
+        metavar="KEY=VALUE",
+        default=[],
+        help="label kept with the fork (repeatable)",
+    )
     actions.add_parser("list", help="list open sessions")
 
     commands.add_parser("info", help="describe the served model")
@@ -323,8 +343,12 @@ def _chat(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO) ->
     interactive = sys.stdin.isatty()
     status = 0
     session: Session = client.session(args.session_id)
-    with session:
-        err.write(f"session {session.id}: /reset clears the history, /exit quits\n")
+    with contextlib.ExitStack() as opened:
+        opened.enter_context(session)
+        err.write(
+            f"session {session.id}: /undo steps back a turn, /fork continues in a copy, "
+            "/reset clears the history, /exit quits\n"
+        )
         first_turn = session.info().turns == 0
         while True:
             if interactive:
@@ -343,6 +367,19 @@ def _chat(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO) ->
                     session.reset()
                     first_turn = True
                     err.write("(history cleared)\n")
+                    continue
+                if line == "/undo":
+                    turns = session.info().turns
+                    if turns:
+                        first_turn = session.rewind(turns=turns - 1).turns == 0
+                    err.write(f"(back to turn {max(turns - 1, 0)})\n")
+                    continue
+                if line == "/fork":
+                    parent = session
+                    parent.close_on_exit = False  # kept, to come back to with --session
+                    session = opened.enter_context(parent.fork())
+                    session.close_on_exit = False
+                    err.write(f"(now in session {session.id}; {parent.id} stays open)\n")
                     continue
                 messages = [("user", line)]
                 if first_turn and args.system:
@@ -376,6 +413,19 @@ def _session(client: Client, args: argparse.Namespace, out: TextIO) -> int:
         _print_json(client.get_session(args.session_id), out)
     elif args.action == "reset":
         _print_json(client.reset_session(args.session_id), out)
+    elif args.action == "rewind":
+        info = client.rewind_session(
+            args.session_id, turns=args.turns, history_tokens=args.history_tokens
+        )
+        _print_json(info, out)
+    elif args.action == "fork":
+        info = client.fork_session(
+            args.session_id,
+            turns=args.turns,
+            idle_ttl_seconds=args.idle_ttl_seconds,
+            metadata=dict(args.metadata),
+        )
+        _print_json(info, out)
     elif args.action == "close":
         client.close_session(args.session_id)
     elif args.action == "list":

@@ -266,6 +266,28 @@ class Session:
         self._info = self._client.reset_session(self.id)
         return self._info
 
+    def rewind(self, *, turns: int | None = None, history_tokens: int | None = None) -> SessionInfo:
+        """Step back to the first ``turns`` turns or ``history_tokens`` tokens
+        (one of them); the KV of what is kept stays on the server."""
+        self._info = self._client.rewind_session(
+            self.id, turns=turns, history_tokens=history_tokens
+        )
+        return self._info
+
+    def fork(
+        self,
+        *,
+        turns: int | None = None,
+        idle_ttl_seconds: int | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> Session:
+        """A new session with this one's history (or its first ``turns``
+        turns), its KV shared on the server; closed when its ``with`` block exits."""
+        info = self._client.fork_session(
+            self.id, turns=turns, idle_ttl_seconds=idle_ttl_seconds, metadata=metadata
+        )
+        return Session(self._client, info, close_on_exit=True)
+
     def close(self) -> None:
         """Close the session on the server; an expired one is ignored."""
         with contextlib.suppress(NotFoundError):
@@ -454,6 +476,35 @@ class Client(_ClientBase):
         """Clear a session's history, keeping its id."""
         request = _convert.reset_session_request(session_id)
         response = self._unary(self._sessions.ResetSession, request, timeout)
+        return _convert.session_from_proto(response.session)
+
+    def rewind_session(
+        self,
+        session_id: str,
+        *,
+        turns: int | None = None,
+        history_tokens: int | None = None,
+        timeout: float | None = None,
+    ) -> SessionInfo:
+        """Cut a session's history to its first ``turns`` turns or
+        ``history_tokens`` tokens (give one); its KV of the rest stays."""
+        request = _convert.rewind_session_request(session_id, turns, history_tokens)
+        response = self._unary(self._sessions.RewindSession, request, timeout)
+        return _convert.session_from_proto(response.session)
+
+    def fork_session(
+        self,
+        session_id: str,
+        *,
+        turns: int | None = None,
+        idle_ttl_seconds: int | None = None,
+        metadata: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> SessionInfo:
+        """A new session whose history is ``session_id``'s (or its first
+        ``turns`` turns), sharing its KV on the server."""
+        request = _convert.fork_session_request(session_id, turns, idle_ttl_seconds, metadata)
+        response = self._unary(self._sessions.ForkSession, request, timeout)
         return _convert.session_from_proto(response.session)
 
     def close_session(self, session_id: str, *, timeout: float | None = None) -> None:

@@ -89,7 +89,7 @@ def test_node_client_against_a_live_server(
     output = run(["npm", "test"], timeout_s=180, env=env)
     # every test ran (none skipped for a missing target) and passed
     assert "# fail 0" in output and "# skipped 0" in output, output
-    assert "# pass 10" in output, output
+    assert "# pass 11" in output, output
     # The aborted stream, the aborted unary call and the bidi request cancelled
     # mid-way each aborted their engine request (docs/design.md, "Status codes").
     assert server.server is not None

@@ -265,3 +265,43 @@ func TestLiveModelInfoAndTokenizer(t *testing.T) {
 		t.Fatalf("detokenize: %q %v", text, err)
 	}
 }
+
+func TestLiveRewindAndFork(t *testing.T) {
+	c, ctx := liveClient(t), testContext(t)
+	s, err := c.NewSession(ctx, SessionOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close(ctx)
+	req := func(prompt string) *Request {
+		return &Request{Prompt: prompt, MaxNewTokens: Ptr[uint32](4), IgnoreEOS: true}
+	}
+	t1, err := s.Generate(ctx, req("hello , who are you ?"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Generate(ctx, req("what is your name ?")); err != nil {
+		t.Fatal(err)
+	}
+	fork, err := c.ForkSession(ctx, s.ID(), ForkOptions{Turns: Ptr[uint32](1), Metadata: map[string]string{"b": "1"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.CloseSession(ctx, fork.ID)
+	if fork.Turns != 1 || fork.HistoryTokens != t1.SessionTokens || fork.Metadata["b"] != "1" {
+		t.Fatalf("fork %+v, turn 1 ended at %d tokens", fork, t1.SessionTokens)
+	}
+	info, err := c.RewindSessionToTurns(ctx, s.ID(), 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.Turns != 1 || info.HistoryTokens != t1.SessionTokens {
+		t.Fatalf("rewound %+v", info)
+	}
+	if info, err = c.RewindSessionToTokens(ctx, s.ID(), 2); err != nil || info.HistoryTokens != 2 {
+		t.Fatalf("rewound to 2 tokens: %+v %v", info, err)
+	}
+	if _, err := c.RewindSessionToTurns(ctx, s.ID(), 5); !errors.Is(err, ErrInvalidArgument) {
+		t.Fatalf("rewind past the end: %v", err)
+	}
+}

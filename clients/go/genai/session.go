@@ -45,6 +45,53 @@ func (c *Client) ResetSession(ctx context.Context, id string) (SessionInfo, erro
 	return sessionFrom(out.GetSession()), nil
 }
 
+// RewindSessionToTurns keeps a session's first turns completed turns and
+// drops the rest; the KV of what is kept stays on the server.
+func (c *Client) RewindSessionToTurns(ctx context.Context, id string, turns uint32) (SessionInfo, error) {
+	in := &pb.RewindSessionRequest{SessionId: id, Target: &pb.RewindSessionRequest_Turns{Turns: turns}}
+	return c.rewind(ctx, id, in)
+}
+
+// RewindSessionToTokens keeps the first historyTokens tokens of a
+// session's history.
+func (c *Client) RewindSessionToTokens(ctx context.Context, id string, historyTokens uint32) (SessionInfo, error) {
+	in := &pb.RewindSessionRequest{
+		SessionId: id,
+		Target:    &pb.RewindSessionRequest_HistoryTokens{HistoryTokens: historyTokens},
+	}
+	return c.rewind(ctx, id, in)
+}
+
+func (c *Client) rewind(ctx context.Context, id string, in *pb.RewindSessionRequest) (SessionInfo, error) {
+	out, err := c.sessions.RewindSession(withSession(ctx, id), in)
+	if err != nil {
+		return SessionInfo{}, wrap(err)
+	}
+	return sessionFrom(out.GetSession()), nil
+}
+
+// ForkOptions are ForkSession's: Turns nil forks the whole history;
+// IdleTTLSeconds 0 takes the server's default; Metadata label the fork.
+type ForkOptions struct {
+	Turns          *uint32
+	IdleTTLSeconds uint32
+	Metadata       map[string]string
+}
+
+// ForkSession makes a new session with the history (and the server-side KV)
+// of session id, or of its first *opts.Turns turns.
+func (c *Client) ForkSession(ctx context.Context, id string, opts ForkOptions) (SessionInfo, error) {
+	in := &pb.ForkSessionRequest{SessionId: id, Turns: opts.Turns, Metadata: opts.Metadata}
+	if opts.IdleTTLSeconds != 0 {
+		in.IdleTtlSeconds = &opts.IdleTTLSeconds
+	}
+	out, err := c.sessions.ForkSession(withSession(ctx, id), in)
+	if err != nil {
+		return SessionInfo{}, wrap(err)
+	}
+	return sessionFrom(out.GetSession()), nil
+}
+
 // CloseSession closes a session and frees what it holds.
 func (c *Client) CloseSession(ctx context.Context, id string) error {
 	_, err := c.sessions.CloseSession(withSession(ctx, id), &pb.CloseSessionRequest{SessionId: id})

@@ -344,6 +344,21 @@ export class Session {
     return (this.last = await this.client.resetSession(this.id, options));
   }
 
+  /** Step back to the first `turns` turns or `historyTokens` tokens (give one);
+   * the KV of what is kept stays on the server. */
+  async rewind(target: { turns?: number; historyTokens?: number }, options?: CallOptions): Promise<SessionInfo> {
+    return (this.last = await this.client.rewindSession(this.id, target, options));
+  }
+
+  /** A new session with this one's history (or its first `turns` turns),
+   * its KV shared on the server. */
+  async fork(
+    request: { turns?: number; idleTtlSeconds?: number; metadata?: Record<string, string> } = {},
+    options?: CallOptions,
+  ): Promise<Session> {
+    return new Session(this.client, await this.client.forkSession(this.id, request, options));
+  }
+
   /** Close the session on the server; an expired one is ignored. */
   async close(options?: CallOptions): Promise<void> {
     try {
@@ -501,6 +516,42 @@ export class GenAIClient {
     const stub = this.sessionStub;
     const method = stub.resetSession as UnaryMethod<{ sessionId: string }, SessionResponse>;
     return sessionFromProto((await this.unary(method, stub, { sessionId }, sessionId, options)).session);
+  }
+
+  /** Cut a session's history to its first `turns` turns or `historyTokens`
+   * tokens (give one); its KV of the rest stays. */
+  async rewindSession(
+    sessionId: string,
+    target: { turns?: number; historyTokens?: number },
+    options?: CallOptions,
+  ): Promise<SessionInfo> {
+    checkOptionNames(target, new Set(["turns", "historyTokens"]), "rewindSession");
+    if ((target.turns === undefined) === (target.historyTokens === undefined)) {
+      throw new TypeError("rewindSession: give one of turns and historyTokens");
+    }
+    const req = { sessionId, turns: target.turns, historyTokens: target.historyTokens };
+    const stub = this.sessionStub;
+    const method = stub.rewindSession as UnaryMethod<typeof req, SessionResponse>;
+    return sessionFromProto((await this.unary(method, stub, req, sessionId, options)).session);
+  }
+
+  /** A new session whose history is `sessionId`'s (or its first `turns` turns),
+   * sharing its KV on the server. */
+  async forkSession(
+    sessionId: string,
+    request: { turns?: number; idleTtlSeconds?: number; metadata?: Record<string, string> } = {},
+    options?: CallOptions,
+  ): Promise<SessionInfo> {
+    checkOptionNames(request, new Set(["turns", "idleTtlSeconds", "metadata"]), "forkSession");
+    const req = {
+      sessionId,
+      turns: request.turns,
+      idleTtlSeconds: request.idleTtlSeconds,
+      metadata: { ...request.metadata },
+    };
+    const stub = this.sessionStub;
+    const method = stub.forkSession as UnaryMethod<typeof req, SessionResponse>;
+    return sessionFromProto((await this.unary(method, stub, req, sessionId, options)).session);
   }
 
   /** Close a session and free what it holds. */

@@ -34,6 +34,26 @@ describe("live server", { skip: target ? false : "GENAI_TARGET is not set" }, ()
     assert.deepEqual(unary.tokenIds, result.tokenIds);
   });
 
+  test("a session rewinds and forks, each continuing from the kept history", async () => {
+    const session = await client.session();
+    const req = (prompt: string) => ({ prompt, maxNewTokens: 4, ignoreEos: true });
+    const t1 = await session.generate(req("hello , who are you ?"));
+    await session.generate(req("what is your name ?"));
+    const fork = await session.fork({ turns: 1, metadata: { b: "1" } });
+    const forked = await fork.info();
+    assert.equal(forked.turns, 1);
+    assert.equal(forked.historyTokens, t1.sessionTokens);
+    assert.deepEqual(forked.metadata, { b: "1" });
+    const rewound = await session.rewind({ turns: 1 });
+    assert.equal(rewound.turns, 1);
+    assert.equal(rewound.historyTokens, t1.sessionTokens);
+    assert.equal((await session.rewind({ historyTokens: 2 })).historyTokens, 2);
+    await assert.rejects(session.rewind({ turns: 5 }), InvalidArgumentError);
+    await assert.rejects(session.rewind({}), TypeError);
+    await fork.close();
+    await session.close();
+  });
+
   test("fields and enums round-trip through the server", async () => {
     const seed = 2n ** 62n + 12345n; // beyond Number.MAX_SAFE_INTEGER
     const result = await client.generate({
