@@ -327,6 +327,25 @@ def _kvstore_targets(r: Results) -> list[dict]:
     ]
 
 
+def _session_fork_targets(r: Results) -> list[dict]:
+    sf = r["session_fork"]
+    return [
+        _target(
+            "a fork's first turn: TTFT ≤ 0.5× a fresh session sending the same prompt",
+            sf["fork_ttft_ratio"],
+            0.5,
+            _le,
+            headline=True,
+        ),
+        _target(
+            "a turn after RewindSession: TTFT ≤ 0.5× a fresh session sending the same prompt",
+            sf["rewind_ttft_ratio"],
+            0.5,
+            _le,
+        ),
+    ]
+
+
 def _http_targets(r: Results) -> list[dict]:
     http = r["http"]
     return [
@@ -942,6 +961,15 @@ SECTIONS: tuple[Section, ...] = (
             "Structured output: a JSON schema's cost per token (bench/constrained_bench.py)",
             "bench.constrained_bench",
             "constrained",
+        ),
+    ),
+    Section(
+        "session_fork",
+        _session_fork_targets,
+        _own(
+            "Rewind and fork: a session's next turn against a fresh one (bench/session_fork.py)",
+            "bench.session_fork",
+            "session_fork",
         ),
     ),
     Section(

@@ -52,13 +52,22 @@ SECTIONS = (
     "sampler",
     "step_profile",
     "constrained",
+    "session_fork",
     "kvstore",
     "fleet",
     "http",
 )
 # Sections run after the engines of the others are gone (they start their own, or
 # time CPU work that the others' idle threads would disturb).
-AFTER_CLOSE = ("sampler", "step_profile", "constrained", "kvstore", "fleet", "http")
+AFTER_CLOSE = (
+    "sampler",
+    "step_profile",
+    "constrained",
+    "session_fork",
+    "kvstore",
+    "fleet",
+    "http",
+)
 DOC = REPO / "docs" / "benchmarks.md"
 DOC_HEADER = """# Benchmarks
 
@@ -301,6 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if "constrained" in sections:
         run_section("constrained", timed_streams("constrained_bench", 128))
+    if "session_fork" in sections:
+        run_section("session_fork", timed_streams("session_fork", 32))
     if "kvstore" in sections:
         # After the other engines are gone: it starts engines of its own.
         run_section("kvstore", lambda: kvstore_section(str(model_dir), plan.reps, args.threads))

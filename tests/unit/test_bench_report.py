@@ -275,3 +275,26 @@ def test_llama_server_section_client_against_a_stand_in(tmp_path: Path) -> None:
 
 def test_a_group_without_processes_is_not_measured_as_idle() -> None:
     assert math.isnan(ProcCpu({"engine": []}).lap()["engine"])
+
+
+def test_the_fork_section_has_its_targets_and_table() -> None:
+    r = results()
+    r["session_fork"] = {
+        "history_tokens": 450,
+        "turn1_tokens": 150,
+        "question_tokens": 8,
+        "reps": 3,
+        "fork_ms": 0.1,
+        "fork_ttft_s": 0.1,
+        "fresh_full_ttft_s": 2.0,
+        "rewind_ms": 0.1,
+        "rewind_ttft_s": 0.1,
+        "fresh_turn1_ttft_s": 0.8,
+        "fork_ttft_ratio": 0.05,
+        "rewind_ttft_ratio": 0.125,
+    }
+    ts = _by_name(r)
+    fork = ts["a fork's first turn: TTFT ≤ 0.5× a fresh session sending the same prompt"]
+    assert fork["met"] is True and fork["headline"]
+    md = report.markdown(r)
+    assert "| ForkSession (whole history) | 0.10 | 0.100 | 2.000 | 0.05× |" in md
