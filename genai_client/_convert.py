@@ -72,7 +72,9 @@ def _logprobs(items: Iterable[common_pb2.TokenLogprob]) -> tuple[TokenLogprob, .
 
 
 def _usage(usage: common_pb2.Usage) -> Usage:
-    return Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+    return Usage(
+        usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens, usage.dropped_tokens
+    )
 
 
 def delta_from_proto(delta: generate_pb2.Delta) -> Delta:
@@ -143,6 +145,7 @@ def result_to_response(result: GenerationResult) -> generate_pb2.GenerateRespons
             prompt_tokens=result.usage.prompt_tokens,
             completion_tokens=result.usage.completion_tokens,
             cached_tokens=result.usage.cached_tokens,
+            dropped_tokens=result.usage.dropped_tokens,
         ),
         seed=result.seed,
         session_id=result.session_id or "",

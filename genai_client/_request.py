@@ -38,7 +38,9 @@ class GenerateOptions(TypedDict, total=False):
     ("low", "normal" or "high"), ``add_special_tokens``,
     ``skip_special_tokens``, ``request_id`` (default: the server assigns one;
     ``bidi().start`` generates one), ``cache_salt`` (only requests with the
-    same salt share reused prompt KV).
+    same salt share reused prompt KV), ``truncate_prompt_tokens`` (a longer
+    prompt keeps its first sink tokens and its last ones, this many in all;
+    ``Usage.dropped_tokens`` counts the rest).
 
     Structured output (at most one): ``json_schema`` (a JSON Schema, as a
     mapping or JSON text), ``regex``, ``grammar`` (Lark, or GBNF), ``choice``
@@ -73,6 +75,7 @@ class GenerateOptions(TypedDict, total=False):
     skip_special_tokens: bool | None
     request_id: str | None
     cache_salt: str | None
+    truncate_prompt_tokens: int | None
     json_schema: Mapping[str, Any] | str | None
     regex: str | None
     grammar: str | None
@@ -178,6 +181,7 @@ def generate_request(
     skip_special_tokens: bool | None = None,
     request_id: str | None = None,
     cache_salt: str | None = None,
+    truncate_prompt_tokens: int | None = None,
     json_schema: Mapping[str, Any] | str | None = None,
     regex: str | None = None,
     grammar: str | None = None,
@@ -214,6 +218,7 @@ def generate_request(
         add_special_tokens=add_special_tokens,
         skip_special_tokens=skip_special_tokens,
         cache_salt=cache_salt,
+        truncate_prompt_tokens=truncate_prompt_tokens,
     )
     sampling = generate_pb2.SamplingParams()
     _set_optional(

@@ -407,7 +407,7 @@ class Client(_ClientBase):
         ``seed``, ``stop`` (str or list), ``stop_token_ids``, ``ignore_eos``,
         ``include_stop_sequence``, ``time_limit_ms``, ``top_logprobs``,
         ``priority`` ("low"|"normal"|"high"), ``add_special_tokens``,
-        ``skip_special_tokens``, ``request_id``, ``cache_salt``; see
+        ``skip_special_tokens``, ``request_id``, ``cache_salt``, ``truncate_prompt_tokens``; see
         :class:`~genai_client._convert.GenerateOptions`. ``timeout`` is the
         call's deadline in seconds.
         """

@@ -79,6 +79,7 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV cache was reused, not recomputed
+    dropped_tokens: int = 0  # prompt tokens cut by truncate_prompt_tokens
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from kvstore.protocol import AUTH_TOKEN_ENV
 
 from .config import (
     CacheConfig,
+    ContextConfig,
     EngineConfig,
     KvStoreConfig,
     LimitsConfig,
@@ -61,7 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p, ServerConfig, only=("metrics_port", "http_port", "grace_period_s"))
     add_flags(p, ServerConfig, only=("stream_interval",))
     g = p.add_argument_group("engine")
-    for part in (RunnerConfig, EngineConfig, SchedulerConfig, CacheConfig, LimitsConfig):
+    for part in (
+        RunnerConfig,
+        EngineConfig,
+        SchedulerConfig,
+        CacheConfig,
+        LimitsConfig,
+        ContextConfig,
+    ):
         add_flags(g, part)
     add_flags(g, ServerConfig, only=("constraint_check_workers", "constraint_check_timeout_ms"))
     add_flags(g, SpeculationConfig)
@@ -154,6 +162,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         sessions=SessionConfig(**flag_values(args, SessionConfig)),
         limits=LimitsConfig(**flag_values(args, LimitsConfig)),
         speculation=SpeculationConfig(**flag_values(args, SpeculationConfig)),
+        context=ContextConfig(**flag_values(args, ContextConfig)),
         kvstore=kvstore_config(args),
         **flag_values(args, EngineConfig),
     )

@@ -273,6 +273,21 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True)
+class ContextConfig:
+    """What happens at the context window (docs/design.md, "Context window")."""
+
+    sink_tokens: int = flag(
+        4,
+        help="the first N tokens of a prompt that truncate_prompt_tokens never drops",
+        metavar="N",
+    )
+
+    def __post_init__(self) -> None:
+        if self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
+
+
+@dataclass(frozen=True)
 class KvStoreConfig:
     """The kvstore sidecar the engine shares KV chunks and session records through."""
 
@@ -342,6 +357,7 @@ class EngineConfig:
     sessions: SessionConfig = field(default_factory=SessionConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+    context: ContextConfig = field(default_factory=ContextConfig)
     kvstore: KvStoreConfig | None = None  # None: in-process prefix reuse only
     max_context_length: int | None = flag(
         None, help="cap below the model's own context window", metavar="N"

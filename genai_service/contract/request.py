@@ -94,6 +94,9 @@ class GenerationRequest:
     # Only requests with the same salt (and scope) share reused prefixes; None: no salt.
     cache_salt: str | None = None
     constraint: Constraint | None = None  # structured output for this request (turn) only
+    # A longer prompt keeps its first sink tokens and its last ones up to this
+    # many in all (vLLM's truncate_prompt_tokens); None: never cut.
+    truncate_prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,7 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV was reused, not recomputed
+    dropped_tokens: int = 0  # prompt tokens cut by truncate_prompt_tokens
 
 
 @dataclass(frozen=True)

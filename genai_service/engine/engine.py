@@ -46,7 +46,7 @@ from .sequence import SeqStatus, Sequence, new_sequence
 from .sessions.restores import HeldOutputs, ParkedRequests, PendingCall, SessionCalls
 from .sessions.sessions import Session, SessionTable
 from .speculation import Speculation
-from .validation import resolve_max_new_tokens, validate_request
+from .validation import resolve_max_new_tokens, truncate_prompt, validate_request
 
 log = structlog.get_logger(__name__)
 
@@ -192,6 +192,9 @@ class LLMEngine(InProcessDriver):
 
     def _queue(self, request: GenerationRequest, session: Session | None) -> None:
         history = session.history if session is not None else []
+        request, dropped = truncate_prompt(
+            request, self.config.context.sink_tokens, session is not None
+        )
         validate_request(
             request,
             vocab_size=self.vocab_size,
@@ -226,6 +229,7 @@ class LLMEngine(InProcessDriver):
                 max_new_tokens=resolve_max_new_tokens(request, self.config.limits),
             )
             seq.matcher = matcher
+            seq.dropped_tokens = dropped
             if compiled is not None and matcher is None:
                 self._compiling.append((seq, compiled))  # admitted by _admit_compiled
             else:

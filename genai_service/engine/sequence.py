@@ -59,6 +59,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0
     num_cached: int = 0  # prompt tokens whose KV was reused (prefix index or session)
+    dropped_tokens: int = 0  # prompt tokens cut by truncate_prompt_tokens
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     stored_chunks: int = 0  # leading chunks already in the prefix index
@@ -133,7 +134,9 @@ class Sequence:
             finished=True,
             finish_reason=self.finish_reason,
             stop_sequence=self.text.stop_sequence,
-            usage=Usage(self.prompt_len, len(self.output_ids), self.num_cached),
+            usage=Usage(
+                self.prompt_len, len(self.output_ids), self.num_cached, self.dropped_tokens
+            ),
             seed=self.seed,
             session_id=session.session_id if session else None,
             session_tokens=len(session.history) if session else 0,

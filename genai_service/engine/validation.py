@@ -6,6 +6,7 @@ can fix its request without reading our code. Raises ``InvalidArgument``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,6 +59,30 @@ _SAMPLING_RULES: tuple[tuple[str, Callable[[int], _Range]], ...] = (
 def resolve_max_new_tokens(request: GenerationRequest, limits: LimitsConfig) -> int:
     value = request.stopping.max_new_tokens
     return limits.default_max_new_tokens if value is None else value
+
+
+def truncate_prompt(
+    request: GenerationRequest, sink_tokens: int, in_session: bool
+) -> tuple[GenerationRequest, int]:
+    """``request`` with its prompt cut to ``truncate_prompt_tokens`` (its first
+    ``sink_tokens``, at most all but one of them, then its last tokens), and
+    how many tokens were dropped (docs/design.md, "Context window")."""
+    keep = request.truncate_prompt_tokens
+    if keep is None:
+        return request, 0
+    if keep < 1:
+        raise InvalidArgument(f"truncate_prompt_tokens: {keep} is out of range; allowed >= 1")
+    if in_session:
+        raise InvalidArgument(
+            "truncate_prompt_tokens: not allowed on a session turn (its history is never "
+            "cut; RewindSession or ResetSession the session instead)"
+        )
+    ids = request.prompt_token_ids
+    if len(ids) <= keep:
+        return request, 0
+    sinks = min(sink_tokens, keep - 1)
+    kept = ids[:sinks] + ids[len(ids) - (keep - sinks) :]
+    return dataclasses.replace(request, prompt_token_ids=kept), len(ids) - keep
 
 
 def validate_request(

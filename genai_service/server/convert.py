@@ -180,6 +180,7 @@ def generation_request(
         ),
         cache_salt=_opt(request, "cache_salt"),  # type: ignore[arg-type]
         constraint=constraint(request),
+        truncate_prompt_tokens=_opt(request, "truncate_prompt_tokens"),  # type: ignore[arg-type]
     )
 
 
@@ -240,6 +241,7 @@ def _final(whole: RequestOutput, tools: ToolUse | None = None) -> generate_pb2.F
             prompt_tokens=usage.prompt_tokens,
             completion_tokens=usage.completion_tokens,
             cached_tokens=usage.cached_tokens,
+            dropped_tokens=usage.dropped_tokens,
         ),
         seed=whole.seed or 0,
         session_id=whole.session_id or "",

@@ -505,3 +505,35 @@ def test_a_chunked_body_is_bounded_while_it_is_read(bytes_models: dict[str, Path
         assert "at most 65536" in answer["error"]["message"]
     finally:
         srv.stop()
+
+
+def test_truncate_prompt_tokens_over_http_and_grpc(server: ServerThread) -> None:
+    prompt = "abcdefghijklmnopqrstuvwxyz" * 2  # one token per byte: 52 tokens
+    status, body = call(
+        server,
+        "POST",
+        "/v1/completions",
+        {
+            "model": "any",
+            "prompt": prompt,
+            "max_tokens": 4,
+            "temperature": 0,
+            "truncate_prompt_tokens": 12,
+        },
+    )
+    assert status == 200, body
+    assert body["usage"]["prompt_tokens"] == 12
+    # the same cut through gRPC: the kept tokens are the first 4 and the last 8
+    with Client(server.target) as client:
+        cut = client.generate(prompt, max_new_tokens=4, temperature=0, truncate_prompt_tokens=12)
+        kept = client.generate(prompt[:4] + prompt[-8:], max_new_tokens=4, temperature=0)
+    assert cut.usage.dropped_tokens == 40 and cut.usage.prompt_tokens == 12
+    assert cut.token_ids == kept.token_ids
+    assert body["choices"][0]["text"] == cut.text
+    status, body = call(
+        server,
+        "POST",
+        "/v1/completions",
+        {"model": "any", "prompt": "x", "truncate_prompt_tokens": 0},
+    )
+    assert status == 400 and body["error"]["param"] == "truncate_prompt_tokens"

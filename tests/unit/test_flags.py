@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
-from typing import Any
 
 import pytest
 
@@ -29,6 +28,7 @@ SERVER_PARTS = [
     (config.LimitsConfig, ""),
     (config.SpeculationConfig, ""),
     (config.SessionConfig, ""),
+    (config.ContextConfig, ""),
     (config.KvStoreConfig, server_main.KVSTORE_PREFIX),
 ]
 KVSTORE_PARTS = [(KvStoreConfig, ""), (RedisConfig, kvstore_main.REDIS_PREFIX)]
@@ -43,6 +43,7 @@ NOT_FLAGS = {
     "EngineConfig.sessions",
     "EngineConfig.limits",
     "EngineConfig.speculation",
+    "EngineConfig.context",
     "EngineConfig.kvstore",
     "KvStoreConfig.redis",
     # Read from files or the environment by __main__ (--model, --auth-token-file,
@@ -133,18 +134,38 @@ def test_both_servers_declare_tls_and_logging_the_same_way() -> None:
 
 
 @pytest.mark.parametrize(
-    ("argv", "expected"),
+    ("old", "dest"),
     [
-        (["--threads", "3"], {"intra_op_threads": 3}),
-        (["--max-batched-tokens", "64"], {"max_num_batched_tokens": 64}),
-        (["--session-ttl", "5"], {"idle_ttl_s": 5.0}),
-        (["--kvstore-timeout", "0.5"], {"kvstore_timeout_s": 0.5}),
-        (["--kvstore-insecure"], {"kvstore_insecure": True}),
+        ("--session-kv-bytes", "max_parked_kv_bytes"),
+        ("--session-ttl", "idle_ttl_s"),
+        ("--session-metadata-entries", "max_metadata_entries"),
+        ("--session-max-record-fetches", "max_record_fetches"),
+        ("--threads", "intra_op_threads"),
+        ("--max-batched-tokens", "max_num_batched_tokens"),
+        ("--grace-period", "grace_period_s"),
+        ("--kvstore-timeout", "kvstore_timeout_s"),
+        ("--tls-cert", "tls_cert_file"),
+        ("--kvstore-tls-ca", "kvstore_tls_ca_file"),
     ],
 )
-def test_old_spellings_stay_aliases(argv: list[str], expected: dict[str, Any]) -> None:
-    args = server_main.build_parser().parse_args(["--model", "m", *argv])
-    assert {k: getattr(args, k) for k in expected} == expected
+def test_older_spellings_stay_aliases(old: str, dest: str) -> None:
+    args = server_main.build_parser().parse_args(["--model", "m", old, "7"])
+    assert str(getattr(args, dest)) in ("7", "7.0")
+
+
+def test_the_defaults_build_the_default_configs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GENAI_AUTH_TOKEN", raising=False)
+    parser = server_main.build_parser()
+    server = server_main.config_from_args(parser.parse_args(["--model", "m"]))
+    assert server == config.ServerConfig(engine=config.EngineConfig(model_dir="m"))
+    args = parser.parse_args(["--model", "m", "--kvstore", "h:1", "--kvstore-insecure"])
+    kv = server_main.config_from_args(args).engine.kvstore
+    assert kv == config.KvStoreConfig("h:1", insecure=True, integrity_key=kv.integrity_key)
+    store = kvstore_main.build_parser()
+    assert kvstore_main.config_from_args(store.parse_args(["--insecure"]), {}) == KvStoreConfig(
+        insecure=True
+    )
+    assert store.parse_args(["--tls-cert", "c"]).tls_cert_file == "c"
 
 
 def test_byte_counts_and_the_redis_prefix() -> None:

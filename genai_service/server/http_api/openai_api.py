@@ -74,6 +74,7 @@ _COMMON = {
     "skip_special_tokens",
     "include_stop_str_in_output",
     "cache_salt",
+    "truncate_prompt_tokens",
 }
 _FIELDS = {
     CHAT: _COMMON
@@ -179,6 +180,13 @@ def parse(kind: str, body: Any, session_id: str = "") -> Call:
     skip = _boolean(body, "skip_special_tokens")
     if skip is not None:
         request.skip_special_tokens = skip
+    keep = _integer(body, "truncate_prompt_tokens")
+    if keep is not None:
+        if not 1 <= keep < 2**32:
+            raise InvalidArgument(
+                f"truncate_prompt_tokens: {keep} is out of range; allowed [1, 4294967295]"
+            )
+        request.truncate_prompt_tokens = keep
     salt = _string(body, "cache_salt")
     if salt is not None:
         request.cache_salt = salt
