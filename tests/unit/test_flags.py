@@ -160,6 +160,7 @@ def test_the_defaults_build_the_default_configs(monkeypatch: pytest.MonkeyPatch)
     assert server == config.ServerConfig(engine=config.EngineConfig(model_dir="m"))
     args = parser.parse_args(["--model", "m", "--kvstore", "h:1", "--kvstore-insecure"])
     kv = server_main.config_from_args(args).engine.kvstore
+    assert kv is not None
     assert kv == config.KvStoreConfig("h:1", insecure=True, integrity_key=kv.integrity_key)
     store = kvstore_main.build_parser()
     assert kvstore_main.config_from_args(store.parse_args(["--insecure"]), {}) == KvStoreConfig(
