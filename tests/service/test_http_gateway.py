@@ -537,3 +537,39 @@ def test_truncate_prompt_tokens_over_http_and_grpc(server: ServerThread) -> None
         {"model": "any", "prompt": "x", "truncate_prompt_tokens": 0},
     )
     assert status == 400 and body["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_client_errors_that_were_500s_are_400s(server: ServerThread) -> None:
+    assert server.server is not None
+    cases = [
+        (
+            '{"model": "any", "messages": [{"role": "user", "content": "\\ud800"}]}',
+            "messages[0].content",
+            "/v1/chat/completions",
+        ),
+        (
+            '{"model": "any", "prompt": "x", "stop": ["ok", "\\udfff"]}',
+            "stop[1]",
+            "/v1/completions",
+        ),
+        ('{"model": "any", "prompt": "x", "top_k": 1099511627776}', "top_k", "/v1/completions"),
+        ('{"model": "any", "prompt": [8589934592]}', "prompt", "/v1/completions"),
+    ]
+    for raw, param, path in cases:
+        conn = http.client.HTTPConnection("127.0.0.1", server.server.http_port, timeout=60)
+        try:
+            conn.request("POST", path, raw, {"content-type": "application/json"})
+            response = conn.getresponse()
+            status, body = response.status, json.loads(response.read())
+        finally:
+            conn.close()
+        assert status == 400, (raw, body)
+        assert body["error"]["param"] == param, (raw, body)
+
+
+def test_a_huge_max_tokens_is_named_with_its_own_value(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="any", prompt="x", max_tokens=10**12)
+    assert err.value.body["message"] == (  # type: ignore[index]
+        "max_tokens: 1000000000000 is out of range; allowed [1, 4294967295]"
+    )

@@ -145,12 +145,33 @@ def _non_negative(name: str, value: int | None) -> int | None:
     return value
 
 
+def _check_text(value: Any, path: str) -> None:
+    """INVALID_ARGUMENT naming the field of the first string that is not valid
+    Unicode text (JSON's \\ud800 escapes decode to lone surrogates, which UTF-8,
+    protobuf and the tokenizer refuse)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidArgument(
+                f"{path or 'body'}: not valid Unicode text (a lone surrogate at {e.start})"
+            ) from e
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, path or "body")
+            _check_text(item, f"{path}.{key}" if path else key)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_text(item, f"{path}[{i}]")
+
+
 def parse(kind: str, body: Any, session_id: str = "") -> Call:
     """The GenerateRequest of an OpenAI ``/v1/chat/completions`` or
     ``/v1/completions`` body; INVALID_ARGUMENT naming the JSON field for an
     unknown or ill-typed field or an unsupported value."""
     if not isinstance(body, dict):
         raise InvalidArgument("body: must be a JSON object")
+    _check_text(body, "")
     for name in body:
         if name not in _FIELDS[kind]:
             raise InvalidArgument(f"{name}: unknown field")
@@ -203,6 +224,8 @@ def _sampling(body: Mapping[str, Any], request: generate_pb2.GenerateRequest) ->
     for name, proto in _SAMPLING.items():
         if name == "top_k":
             k = _integer(body, name)
+            if k is not None and k >= 2**32:
+                raise InvalidArgument(f"top_k: {k} is out of range; allowed [-1, 4294967295]")
             # -1 is vLLM's "no filter", as 0 is ours.
             value: float | None = _non_negative(name, 0 if k == -1 else k)
         else:
@@ -225,9 +248,11 @@ def _stopping(body: Mapping[str, Any], call: Call) -> None:
     if limit is None:
         limit_name, limit = "max_tokens", _integer(body, "max_tokens")
     if limit is not None:
-        if limit < 1:
-            raise InvalidArgument(f"{limit_name}: {limit} is out of range; allowed >= 1")
-        st.max_new_tokens = min(limit, 2**32 - 1)
+        if not 1 <= limit < 2**32:
+            raise InvalidArgument(
+                f"{limit_name}: {limit} is out of range; allowed [1, 4294967295]"
+            )
+        st.max_new_tokens = limit
     call.names["stopping.max_new_tokens"] = limit_name
     stop = body.get("stop")
     if isinstance(stop, str):
@@ -401,7 +426,7 @@ def _completions(body: Mapping[str, Any], call: Call) -> None:
     elif (
         isinstance(prompt, list)
         and prompt
-        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in prompt)
+        and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**32 for x in prompt)
     ):
         request.token_ids.ids.extend(prompt)
     else:
