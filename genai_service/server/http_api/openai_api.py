@@ -249,9 +249,7 @@ def _stopping(body: Mapping[str, Any], call: Call) -> None:
         limit_name, limit = "max_tokens", _integer(body, "max_tokens")
     if limit is not None:
         if not 1 <= limit < 2**32:
-            raise InvalidArgument(
-                f"{limit_name}: {limit} is out of range; allowed [1, 4294967295]"
-            )
+            raise InvalidArgument(f"{limit_name}: {limit} is out of range; allowed [1, 4294967295]")
         st.max_new_tokens = limit
     call.names["stopping.max_new_tokens"] = limit_name
     stop = body.get("stop")
