@@ -83,7 +83,7 @@ export function deltaFromProto(delta: DeltaProto): Delta {
   return { text: delta.text, tokenIds: delta.tokenIds, logprobs: delta.logprobs };
 }
 
-const USAGE_ZERO: Usage = { promptTokens: 0, completionTokens: 0, cachedTokens: 0 };
+const USAGE_ZERO: Usage = { promptTokens: 0, completionTokens: 0, cachedTokens: 0, droppedTokens: 0 };
 
 export function resultFromProto(r: GenerateResponse | Final, text?: string): GenerationResult {
   return {
