@@ -82,6 +82,9 @@ type Request struct {
 	SkipSpecialTokens *bool
 	// CacheSalt: only requests with the same salt share reused prompt KV.
 	CacheSalt string
+	// TruncatePromptTokens: a longer prompt keeps its first sink tokens and
+	// its last ones, this many in all (Usage.DroppedTokens counts the rest).
+	TruncatePromptTokens *uint32
 
 	// Structured output, at most one.
 	JSONSchema string
@@ -183,6 +186,7 @@ func (r *Request) Proto() (*pb.GenerateRequest, error) {
 	if r.CacheSalt != "" {
 		out.CacheSalt = &r.CacheSalt
 	}
+	out.TruncatePromptTokens = r.TruncatePromptTokens
 	if r.Temperature != nil || r.TopK != nil || r.TopP != nil || r.MinP != nil ||
 		r.RepetitionPenalty != nil || r.FrequencyPenalty != nil || r.PresencePenalty != nil ||
 		r.Seed != nil {

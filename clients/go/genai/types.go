@@ -9,11 +9,12 @@ import (
 
 // Usage is the token accounting of one request. CachedTokens are prompt
 // tokens whose KV cache was reused (prefix cache, session history, kvstore)
-// instead of recomputed.
+// instead of recomputed; DroppedTokens were cut by TruncatePromptTokens.
 type Usage struct {
 	PromptTokens     uint32
 	CompletionTokens uint32
 	CachedTokens     uint32
+	DroppedTokens    uint32
 }
 
 // TopLogprob is one alternative token at a generation step.
@@ -107,7 +108,7 @@ func toolCallsFrom(in []*pb.ToolCall) []ToolCall {
 }
 
 func usageFrom(u *pb.Usage) Usage {
-	return Usage{u.GetPromptTokens(), u.GetCompletionTokens(), u.GetCachedTokens()}
+	return Usage{u.GetPromptTokens(), u.GetCompletionTokens(), u.GetCachedTokens(), u.GetDroppedTokens()}
 }
 
 func finishReason(r pb.FinishReason) string {

@@ -62,6 +62,8 @@ export interface GenerateOptions {
   skipSpecialTokens?: boolean;
   requestId?: string;
   cacheSalt?: string;
+  /** A longer prompt keeps its first sink tokens and its last ones, this many in all. */
+  truncatePromptTokens?: number;
   // structured output (at most one)
   jsonSchema?: object | string;
   regex?: string;
@@ -79,7 +81,7 @@ const OPTION_NAMES: ReadonlySet<string> = new Set([
   "repetitionPenalty", "frequencyPenalty", "presencePenalty", "seed", "maxNewTokens",
   "minNewTokens", "stop", "stopTokenIds", "ignoreEos", "includeStopSequence", "timeLimitMs",
   "topLogprobs", "priority", "addSpecialTokens", "skipSpecialTokens", "requestId", "cacheSalt",
-  "jsonSchema", "regex", "grammar", "choice", "jsonObject", "tools", "toolChoice",
+  "truncatePromptTokens", "jsonSchema", "regex", "grammar", "choice", "jsonObject", "tools", "toolChoice",
 ] satisfies (keyof GenerateOptions)[]);
 
 const camel = (name: string): string => name.replace(/_([a-z])/g, (_, c: string) => c.toUpperCase());
@@ -217,6 +219,7 @@ export function generateRequest(options: GenerateOptions | string): GenerateRequ
     addSpecialTokens: o.addSpecialTokens,
     skipSpecialTokens: o.skipSpecialTokens,
     cacheSalt: o.cacheSalt,
+    truncatePromptTokens: o.truncatePromptTokens,
     constraint: constraintProto(o),
     tools: (o.tools ?? []).map(toolProto),
     toolChoice: o.toolChoice ?? "",
