@@ -277,9 +277,11 @@ class KvReuse:
         whole history; its chunks go to the prefix index first, so the parked
         KV shares them."""
         n = self.runner.kv_len(seq.seq_id)
-        if len(session.history) == n:
+        h = len(session.history)
+        # The whole history, or (rewound while this was computed) a prefix of it.
+        if h == n or (h < n and session.history == seq.token_ids[:h]):
             self.store(seq)
-            session.kv, session.kv_len = self.snapshot(seq, n), n
+            session.kv, session.kv_len = (self.snapshot(seq, h), h) if h else (None, 0)
 
     def keep_history(self, seq: Sequence, session: Session) -> None:
         """An aborted turn leaves the history as it was: park its KV if ``seq``

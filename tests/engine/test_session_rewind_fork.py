@@ -198,3 +198,50 @@ def test_turn_boundaries_round_trip_through_the_record() -> None:
     old = dataclasses.replace(s, turn_ends=[])  # a record from before turn_ends
     back = session_from_record(old.session_id, session_record(old), vocab_size=10)
     assert back is not None and back.turn_ends == []
+
+
+def test_a_rewind_right_after_a_turn_keeps_the_kv_of_the_prefix(tiny_model_dir: Path) -> None:
+    eng = engine(tiny_model_dir)
+    sid = eng.create_session().session_id
+    out = eng.generate(
+        GenerationRequest(
+            "t1",
+            tuple(T1),
+            stopping=StoppingCriteria(max_new_tokens=5, ignore_eos=True),
+            session_id=sid,
+        )
+    )
+    history = T1 + list(out.token_ids)
+    assert eng.sessions.get(sid).committing  # its last token's KV is computed next step
+    assert eng.rewind_session(sid, history_tokens=6).history_tokens == 6
+    while eng.has_unfinished():
+        eng.step()
+    session = eng.sessions.get(sid)
+    assert session.kv_len == 6 and session.kv is not None
+    assert all(k.base is None for chunk in session.kv for k, _ in chunk[:1])  # no views
+    assert turn(eng, sid, "t2", T2) == reference_greedy(tiny_model_dir, history[:6] + T2, 5)
+
+
+def test_a_fork_that_evicts_its_parent_keeps_the_kv() -> None:
+    import numpy as np
+
+    from genai_service.engine.sessions.sessions import SessionTable
+
+    table = SessionTable(1, 60.0, persistent=True)  # full with the parent alone
+    parent = table.create()
+    layers = [(np.zeros((1, 8, 2), np.float32), np.zeros((1, 8, 2), np.float32))]
+    parent.history, parent.turns, parent.turn_ends = list(range(8)), 1, [8]
+    parent.kv, parent.kv_len = [layers], 8
+    child = table.fork(parent, None, None, "", None)
+    assert parent.session_id not in table  # evicted to its record to make room
+    assert child.kv == [layers] and child.kv_len == 8 and child.history == list(range(8))
+
+
+def test_a_token_rewind_of_a_session_without_boundaries_keeps_its_turns() -> None:
+    from genai_service.engine.sessions.sessions import SessionTable
+
+    table = SessionTable(4, 60.0)
+    s = table.create()
+    s.history, s.turns = list(range(10)), 3  # from a record written before turn_ends
+    assert table.rewind(s.session_id, history_tokens=10).turns == 3
+    assert table.rewind(s.session_id, history_tokens=4).turns == 0

@@ -141,6 +141,7 @@ def test_rewind_and_fork_over_http(server: ServerThread, alice: Client) -> None:
         ({"turns": 1, "history_tokens": 2}, "body: give one of turns and history_tokens"),
         ({"turns": -1}, "turns: -1 is out of range; allowed [0, 4294967295]"),
         ({"frobnicate": 1}, "frobnicate: unknown field"),
+        ({"turns": None}, "turns: must be a number"),
         ({"turns": 9}, "turns: 9 is past the end; the session has 1 turns"),
     ):
         status, body = post(server, f"/v1/sessions/{sid}:rewind", payload)

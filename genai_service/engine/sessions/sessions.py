@@ -262,14 +262,22 @@ class SessionTable:
         ``history_tokens`` tokens, of a session's history; the parked KV of
         what is kept stays (cut at the new end)."""
         session = self.get(session_id)
-        if session.busy or session.committing:
+        # (A turn whose last token is still being committed is done: its KV is
+        # parked afterwards for what the history then holds, KvReuse.park.)
+        if session.busy:
             raise FailedPrecondition(
                 f"session_id: session {session_id!r} is running a turn; it cannot be rewound now"
             )
         end = history_end(session, turns, history_tokens)
+        known = len(session.turn_ends) == session.turns
+        if turns is not None:
+            session.turns = turns
+        elif known:
+            session.turns = sum(e <= end for e in session.turn_ends)
+        elif end < len(session.history):
+            session.turns = 0  # a record without boundaries: the cut's turn is unknown
         session.history = session.history[:end]
         session.turn_ends = [e for e in session.turn_ends if e <= end]
-        session.turns = len(session.turn_ends) if turns is None else turns
         if session.kv is not None:
             session.kv, session.kv_len = cut_chunks(session.kv, min(session.kv_len, end))
             if not session.kv:
@@ -289,14 +297,19 @@ class SessionTable:
         turns) and its parked KV: the same chunk arrays, which nothing writes
         to, so neither session's turns change the other's."""
         end = history_end(parent, turns, None)
-        child = self.create(idle_ttl_s, owner, metadata)
-        child.history = parent.history[:end]
-        child.turn_ends = [e for e in parent.turn_ends if e <= end]
-        child.turns = parent.turns if turns is None else turns
+        # Taken before ``create``, which may evict the least recently used idle
+        # session (the parent too, its parked KV released) to make room.
+        history, turn_ends = parent.history[:end], [e for e in parent.turn_ends if e <= end]
+        kv: builtins.list[KvLayers] = []
+        n = 0
         if parent.kv is not None and parent.kv_ready:
             kv, n = cut_chunks(parent.kv, min(parent.kv_len, end))
-            if kv:
-                child.kv, child.kv_len = kv, n
+        parent.last_used_at = self._clock()  # a fork is a use
+        child = self.create(idle_ttl_s, owner, metadata)
+        child.history, child.turn_ends = history, turn_ends
+        child.turns = parent.turns if turns is None else turns
+        if kv:
+            child.kv, child.kv_len = kv, n
         return child
 
     def close(self, session_id: str) -> Session:
@@ -425,7 +438,8 @@ def history_end(session: Session, turns: int | None, history_tokens: int | None)
 
 def cut_chunks(chunks: builtins.list[KvLayers], n: int) -> tuple[builtins.list[KvLayers], int]:
     """The first ``n`` tokens of parked KV chunks: whole chunks as they are
-    (shared), the one that straddles ``n`` as a view of its first tokens."""
+    (shared), the one that straddles ``n`` as a copy of its first tokens (a view
+    would keep the whole array alive while the parked budget counts the view)."""
     kept: builtins.list[KvLayers] = []
     have = 0  # callers keep None, not [], for no KV
     for chunk in chunks:
@@ -437,7 +451,7 @@ def cut_chunks(chunks: builtins.list[KvLayers], n: int) -> tuple[builtins.list[K
             have += size
         else:
             take = n - have
-            kept.append([(k[:, :take], v[:, :take]) for k, v in chunk])
+            kept.append([(k[:, :take].copy(), v[:, :take].copy()) for k, v in chunk])
             have = n
     return kept, have
 

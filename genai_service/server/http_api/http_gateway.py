@@ -344,6 +344,8 @@ class HttpGateway:
             if len(body) != 1:
                 raise InvalidArgument("body: give one of turns and history_tokens")
             (name,) = body
+            if body[name] is None:
+                raise InvalidArgument(f"{name}: must be a number")
             sid = request.path_params["session_id"]
             target = {name: _count(body, name, low=0)}
             return self._session(await self.fe.engine.rewind_session(sid, principal(), **target))
