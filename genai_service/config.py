@@ -432,7 +432,8 @@ class ServerConfig:
     )
     constraint_check_timeout_ms: int = flag(
         10_000,
-        help="a constraint whose check takes longer is refused (INVALID_ARGUMENT)",
+        help="a constraint whose check takes more CPU (or 5 times it in wall time) is refused "
+        "(INVALID_ARGUMENT)",
         metavar="MS",
     )
 

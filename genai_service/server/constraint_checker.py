@@ -7,11 +7,14 @@ compile and a few matching steps in the checker's own process
 A verdict is kept by a digest of the constraint (and the field it names), so
 clients that send the same schema with every request pay for one check.
 
-A check that crashes the process (a native stack overflow, an abort) or runs
-past ``timeout_s`` is ``INVALID_ARGUMENT`` for its request, the process is
-replaced, and the verdict is kept like any other; a process whose memory has
-grown past ``MAX_RSS_BYTES`` (llguidance keeps what a large lexer built) is
-replaced after its answer. Nothing here runs llguidance on the event loop.
+A check that crashes the process (a native stack overflow, an abort) or uses
+more than ``timeout_s`` of CPU (or five times that in wall time) is
+``INVALID_ARGUMENT`` for its request, the process is replaced, and the
+verdict is kept like any other (a check's CPU, not its wall time, is what is
+limited: the checker runs niced, and on a busy machine a second of CPU can take
+far longer); a process whose memory has grown past ``MAX_RSS_BYTES``
+(llguidance keeps what a large lexer built) is replaced after its answer.
+Nothing here runs llguidance on the event loop.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ import asyncio
 import contextlib
 import itertools
 import multiprocessing as mp
+import os
 import signal
 import time
 from collections import OrderedDict
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -45,6 +50,19 @@ log = structlog.get_logger(__name__)
 MAX_RSS_BYTES = 768 * 1024 * 1024  # a checker process past this is replaced
 VERDICT_CACHE_ENTRIES = 4096  # 16-byte keys and messages of at most ~1.2 KiB
 START_TIMEOUT_S = 120.0
+POLL_S = 0.05  # how often a running check's CPU time is read
+WALL_FACTOR = 5  # a check also ends after this many times its CPU limit in wall time
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (Linux /proc); 0.0 where
+    that cannot be read (then only the wall-clock bound applies)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 class _CheckerProcess:
@@ -83,14 +101,25 @@ class _CheckerProcess:
         log.info("constraint_checker_started", pid=proc.pid, rss_bytes=ready.rss_bytes)
 
     def run(self, job: CheckJob, timeout_s: float) -> str:
-        """The verdict for ``job``: "" or the INVALID_ARGUMENT message."""
-        assert self._conn is not None
-        conn = self._conn
+        """The verdict for ``job``: "" or the INVALID_ARGUMENT message. The
+        limit is the checker's CPU time (it runs niced: on a busy machine a
+        check that needs 1 s of CPU may take far longer), with a wall-clock
+        bound of ``WALL_FACTOR`` times it."""
+        assert self._conn is not None and self._proc is not None
+        conn, pid = self._conn, self._proc.pid
         started = time.monotonic()
+        cpu_at_start = process_cpu_seconds(pid)
+        verdict = None
         try:
             conn.send(job)
-            answered = conn.poll(timeout_s)
-            verdict = conn.recv() if answered else None
+            while verdict is None:
+                if conn.poll(POLL_S):
+                    verdict = conn.recv()
+                    break
+                cpu = process_cpu_seconds(pid) - cpu_at_start
+                wall = time.monotonic() - started
+                if cpu > timeout_s or wall > WALL_FACTOR * timeout_s:
+                    break
         except (EOFError, OSError):
             return self._died(job)
         if verdict is None:
@@ -98,7 +127,7 @@ class _CheckerProcess:
             self.stop()
             return (
                 f"{job.field}: compiling and checking it took more than "
-                f"{round(timeout_s * 1000)} ms; simplify it"
+                f"{round(timeout_s * 1000)} ms of CPU; simplify it"
             )
         assert isinstance(verdict, Verdict) and verdict.job_id == job.job_id
         if verdict.rss_bytes > MAX_RSS_BYTES:
