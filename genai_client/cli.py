@@ -173,6 +173,17 @@ def _generation_flags() -> argparse.ArgumentParser:
     return parent
 
 
+def _metadata_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--metadata",
+        type=_key_value,
+        action="append",
+        metavar="KEY=VALUE",
+        default=[],
+        help="label kept with the session (repeatable)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``genai`` argument parser."""
     parser = argparse.ArgumentParser(
@@ -223,14 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     actions = session.add_subparsers(dest="action", required=True, metavar="ACTION")
     create = actions.add_parser("create", help="create a session")
     create.add_argument("--idle-ttl-seconds", type=int)
-    create.add_argument(
-        "--metadata",
-        type=_key_value,
-        action="append",
-        metavar="KEY=VALUE",
-        default=[],
-        help="label kept with the session (repeatable)",
-    )
+    _metadata_flag(create)
     for name, help_text in (
         ("get", "describe a session"),
         ("reset", "clear its history"),
@@ -246,14 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     fork.add_argument("session_id", metavar="ID")
     fork.add_argument("--turns", type=int, help="only the first N turns")
     fork.add_argument("--idle-ttl-seconds", type=int)
-    fork.add_argument(
-        "--metadata",
-        type=_key_value,
-        action="append",
-        metavar="KEY=VALUE",
-        default=[],
-        help="label kept with the fork (repeatable)",
-    )
+    _metadata_flag(fork)
     actions.add_parser("list", help="list open sessions")
 
     commands.add_parser("info", help="describe the served model")
