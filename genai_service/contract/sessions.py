@@ -58,7 +58,7 @@ def check_metadata(metadata: Mapping[str, str], limits: SessionConfig) -> None:
             )
         if value_bytes > limits.max_metadata_value_bytes:
             raise InvalidArgument(
-                f"metadata[{_key_label(key)}]: value is {value_bytes} bytes; "
+                f"metadata: the value of key {_key_label(key)} is {value_bytes} bytes; "
                 f"at most {limits.max_metadata_value_bytes} allowed"
             )
         total += key_bytes + value_bytes

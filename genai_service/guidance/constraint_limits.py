@@ -96,12 +96,13 @@ def _class_end(pattern: str, i: int) -> int:
     return n
 
 
-def check_regex(field: str, pattern: str) -> None:
+def check_regex(field: str, pattern: str, what: str = "its") -> None:
+    """``what``: whose repetitions the message names ("its", "a pattern's")."""
     bound = regex_repetition(pattern)
     if bound > MAX_REGEX_REPETITION:
         raise InvalidArgument(
-            f"{field}: its counted repetitions (nested ones multiplied) expand to {bound} copies; "
-            f"allowed at most {MAX_REGEX_REPETITION}"
+            f"{field}: {what} counted repetitions (nested ones multiplied) expand to {bound} "
+            f"copies; allowed at most {MAX_REGEX_REPETITION}"
         )
 
 
@@ -117,11 +118,11 @@ def check_schema(field: str, schema: Any) -> None:
     for node in _nodes(schema):
         pattern = node.get("pattern")
         if isinstance(pattern, str):
-            check_regex(f"{field} (pattern)", pattern)
+            check_regex(field, pattern, "a pattern's")
         props = node.get("patternProperties")
         if isinstance(props, dict):
             for key in props:
-                check_regex(f"{field} (patternProperties)", key)
+                check_regex(field, key, "a patternProperties key's")
     chain = ref_chain(schema)
     if chain > MAX_REF_CHAIN:
         raise InvalidArgument(

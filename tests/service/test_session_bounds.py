@@ -88,7 +88,10 @@ def rpc_error(fn, request) -> grpc.RpcError:  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize(
     ("metadata", "message"),
     [
-        ({"user": "x" * 12_000_000}, "metadata['user']: value is 12000000 bytes; at most 4096"),
+        (
+            {"user": "x" * 12_000_000},
+            "metadata: the value of key 'user' is 12000000 bytes; at most 4096",
+        ),
         ({f"k{i}": "" for i in range(100_000)}, "metadata: 100000 entries; at most 64 allowed"),
         ({"k" * 300: ""}, "is 300 bytes; at most 256 allowed"),
         ({f"k{i}": "v" * 4000 for i in range(5)}, "bytes of keys and values; at most 16384"),

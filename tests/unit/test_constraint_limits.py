@@ -55,7 +55,8 @@ def test_a_regex_past_the_repetition_limit_is_refused_with_the_limit() -> None:
     schema = {"type": "string", "pattern": "a{1000000}"}
     with pytest.raises(InvalidArgument) as err:
         grammar_text(Constraint("json_schema", json.dumps(schema)))
-    assert err.value.message.startswith("constraint.json_schema (pattern): its counted")
+    assert err.value.message.startswith("constraint.json_schema: a pattern's counted")
+    assert err.value.field_violation()[0] == "constraint.json_schema"  # a path, for BadRequest
 
 
 def chain(n: int) -> dict:

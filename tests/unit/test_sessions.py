@@ -106,9 +106,12 @@ def test_metadata_within_the_limits_is_accepted() -> None:
         ({"é" * 129: "v"}, f"metadata: key {'é' * 32!r}… is 258 bytes; at most 256 allowed"),
         (
             {"user": "x" * 12_000_000},
-            "metadata['user']: value is 12000000 bytes; at most 4096 allowed",
+            "metadata: the value of key 'user' is 12000000 bytes; at most 4096 allowed",
         ),
-        ({"user": "x" * 4097}, "metadata['user']: value is 4097 bytes; at most 4096 allowed"),
+        (
+            {"user": "x" * 4097},
+            "metadata: the value of key 'user' is 4097 bytes; at most 4096 allowed",
+        ),
         (
             {f"k{i}": "v" * 4094 for i in range(5)},
             "metadata: 20480 bytes of keys and values; at most 16384 allowed",
@@ -122,6 +125,7 @@ def test_metadata_over_a_limit_names_field_value_and_limit(
     with pytest.raises(InvalidArgument) as err:
         check_metadata(metadata, SessionConfig())
     assert err.value.message == message
+    assert err.value.field_violation()[0] == "metadata"  # google.rpc.BadRequest's field
 
 
 def test_metadata_limits_are_configurable_and_validated() -> None:
