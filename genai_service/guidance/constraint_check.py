@@ -19,12 +19,12 @@ slow compile takes time from streams only when a core is idle.
 from __future__ import annotations
 
 import os
-import resource
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import structlog
 
+from genai_common import procfs
 from genai_common.errors import GenAIError
 from genai_common.logging import configure_logging
 
@@ -60,12 +60,6 @@ class CheckerReady:
     rss_bytes: int
 
 
-def rss_bytes() -> int:
-    """This process's resident set now (not its peak)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
 def checker_main(
     conn: Connection,
     model_dir: str,
@@ -89,7 +83,7 @@ def checker_main(
         cache_entries=0,  # the frontend keeps the verdicts
         compile_stack_bytes=stack_bytes,
     )
-    conn.send(CheckerReady(rss_bytes()))
+    conn.send(CheckerReady(procfs.rss_bytes()))
     while True:
         try:
             job = conn.recv()
@@ -105,4 +99,4 @@ def checker_main(
         except Exception as exc:  # llguidance raising on input it cannot take
             log.warning("constraint_check_raised", field=job.field, exc_info=exc)
             error = f"{job.field}: llguidance cannot compile it: {str(exc)[:512]}"
-        conn.send(Verdict(job.job_id, error, rss_bytes()))
+        conn.send(Verdict(job.job_id, error, procfs.rss_bytes()))

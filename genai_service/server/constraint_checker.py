@@ -23,16 +23,15 @@ import asyncio
 import contextlib
 import itertools
 import multiprocessing as mp
-import os
 import signal
 import time
 from collections import OrderedDict
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import structlog
 
+from genai_common import procfs
 from genai_common.errors import InvalidArgument, Unavailable
 
 from ..contract.request import Constraint
@@ -52,17 +51,6 @@ VERDICT_CACHE_ENTRIES = 4096  # 16-byte keys and messages of at most ~1.2 KiB
 START_TIMEOUT_S = 120.0
 POLL_S = 0.05  # how often a running check's CPU time is read
 WALL_FACTOR = 5  # a check also ends after this many times its CPU limit in wall time
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (Linux /proc); 0.0 where
-    that cannot be read (then only the wall-clock bound applies)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
-    except (OSError, IndexError, ValueError):
-        return 0.0
 
 
 class _CheckerProcess:
@@ -108,7 +96,7 @@ class _CheckerProcess:
         assert self._conn is not None and self._proc is not None
         conn, pid = self._conn, self._proc.pid
         started = time.monotonic()
-        cpu_at_start = process_cpu_seconds(pid)
+        cpu_at_start = procfs.cpu_seconds(pid)
         verdict = None
         try:
             conn.send(job)
@@ -116,7 +104,7 @@ class _CheckerProcess:
                 if conn.poll(POLL_S):
                     verdict = conn.recv()
                     break
-                cpu = process_cpu_seconds(pid) - cpu_at_start
+                cpu = procfs.cpu_seconds(pid) - cpu_at_start
                 wall = time.monotonic() - started
                 if cpu > timeout_s or wall > WALL_FACTOR * timeout_s:
                     break
