@@ -327,6 +327,20 @@ def _kvstore_targets(r: Results) -> list[dict]:
     ]
 
 
+def _session_slide_targets(r: Results) -> list[dict]:
+    ss = r["session_slide"]
+    return [
+        _target(
+            "a session past its window (slide, keys rotated): second-half median TTFT ≤ 1.5× "
+            "the first half's",
+            ss["rotate_ttft_growth"],
+            1.5,
+            _le,
+            headline=True,
+        ),
+    ]
+
+
 def _session_fork_targets(r: Results) -> list[dict]:
     sf = r["session_fork"]
     return [
@@ -970,6 +984,15 @@ SECTIONS: tuple[Section, ...] = (
             "Rewind and fork: a session's next turn against a fresh one (bench/session_fork.py)",
             "bench.session_fork",
             "session_fork",
+        ),
+    ),
+    Section(
+        "session_slide",
+        _session_slide_targets,
+        _own(
+            "A session past its context window: TTFT per turn (bench/session_slide.py)",
+            "bench.session_slide",
+            "session_slide",
         ),
     ),
     Section(

@@ -53,6 +53,7 @@ SECTIONS = (
     "step_profile",
     "constrained",
     "session_fork",
+    "session_slide",
     "kvstore",
     "fleet",
     "http",
@@ -64,6 +65,7 @@ AFTER_CLOSE = (
     "step_profile",
     "constrained",
     "session_fork",
+    "session_slide",
     "kvstore",
     "fleet",
     "http",
@@ -312,6 +314,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_section("constrained", timed_streams("constrained_bench", 128))
     if "session_fork" in sections:
         run_section("session_fork", timed_streams("session_fork", 32))
+    if "session_slide" in sections:
+        run_section(
+            "session_slide",
+            lambda: own("session_slide").measure(
+                str(model_dir), threads=args.threads, answer_tokens=48 if args.quick else 96
+            ),
+        )
     if "kvstore" in sections:
         # After the other engines are gone: it starts engines of its own.
         run_section("kvstore", lambda: kvstore_section(str(model_dir), plan.reps, args.threads))

@@ -15,6 +15,7 @@ from genai_client._request import (  # noqa: F401 (the request side, re-exported
     MessageLike,
     _tool_call,
     constraint_proto,
+    context_overflow_proto,
     generate_request,
     messages_proto,
     priority_proto,
@@ -215,9 +216,13 @@ def bidi_cancel(request_id: str) -> generate_pb2.BidiRequest:
 
 
 def create_session_request(
-    idle_ttl_seconds: int | None, metadata: Mapping[str, str] | None
+    idle_ttl_seconds: int | None,
+    metadata: Mapping[str, str] | None,
+    context_overflow: str | None = None,
 ) -> session_pb2.CreateSessionRequest:
-    request = session_pb2.CreateSessionRequest(metadata=dict(metadata or {}))
+    request = session_pb2.CreateSessionRequest(
+        metadata=dict(metadata or {}), context_overflow=context_overflow_proto(context_overflow)
+    )
     if idle_ttl_seconds is not None:
         request.idle_ttl_seconds = idle_ttl_seconds
     return request
@@ -278,7 +283,15 @@ def session_from_proto(session: session_pb2.Session) -> SessionInfo:
         idle_ttl_seconds=session.idle_ttl_seconds,
         busy=session.busy,
         metadata=dict(session.metadata),
+        context_overflow=_OVERFLOW_NAMES.get(session.context_overflow, "error"),
+        dropped_tokens=session.dropped_tokens,
     )
+
+
+_OVERFLOW_NAMES = {
+    common_pb2.CONTEXT_OVERFLOW_ERROR: "error",
+    common_pb2.CONTEXT_OVERFLOW_SLIDE: "slide",
+}
 
 
 # --- model -------------------------------------------------------------------

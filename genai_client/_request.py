@@ -40,7 +40,9 @@ class GenerateOptions(TypedDict, total=False):
     ``bidi().start`` generates one), ``cache_salt`` (only requests with the
     same salt share reused prompt KV), ``truncate_prompt_tokens`` (a longer
     prompt keeps its first sink tokens and its last ones, this many in all;
-    ``Usage.dropped_tokens`` counts the rest).
+    ``Usage.dropped_tokens`` counts the rest), ``context_overflow`` ("error":
+    stop at the context window; "slide": drop the oldest tokens after the
+    sink tokens and go on; unset: the session's or the server's default).
 
     Structured output (at most one): ``json_schema`` (a JSON Schema, as a
     mapping or JSON text), ``regex``, ``grammar`` (Lark, or GBNF), ``choice``
@@ -76,6 +78,7 @@ class GenerateOptions(TypedDict, total=False):
     request_id: str | None
     cache_salt: str | None
     truncate_prompt_tokens: int | None
+    context_overflow: str | None
     json_schema: Mapping[str, Any] | str | None
     regex: str | None
     grammar: str | None
@@ -154,6 +157,16 @@ def priority_proto(priority: str | None) -> common_pb2.Priority:
         raise ValueError(f"priority {priority!r} is not one of 'low', 'normal', 'high'") from None
 
 
+def context_overflow_proto(mode: str | None) -> common_pb2.ContextOverflow:
+    """ "error" or "slide" (or None: unset) as a ContextOverflow value."""
+    if mode is None:
+        return common_pb2.CONTEXT_OVERFLOW_UNSPECIFIED
+    name = mode.upper().removeprefix("CONTEXT_OVERFLOW_")
+    if name not in ("ERROR", "SLIDE"):
+        raise ValueError(f"context_overflow {mode!r} is not one of 'error', 'slide'")
+    return common_pb2.ContextOverflow.Value("CONTEXT_OVERFLOW_" + name)
+
+
 def generate_request(
     prompt: str | None = None,
     *,
@@ -182,6 +195,7 @@ def generate_request(
     request_id: str | None = None,
     cache_salt: str | None = None,
     truncate_prompt_tokens: int | None = None,
+    context_overflow: str | None = None,
     json_schema: Mapping[str, Any] | str | None = None,
     regex: str | None = None,
     grammar: str | None = None,
@@ -206,6 +220,7 @@ def generate_request(
         session_id=session_id or "",
         top_logprobs=top_logprobs or 0,
         priority=priority_proto(priority),
+        context_overflow=context_overflow_proto(context_overflow),
     )
     if prompt is not None:
         request.text = prompt

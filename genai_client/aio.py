@@ -377,6 +377,7 @@ class AsyncClient(_ClientBase):
         *,
         idle_ttl_seconds: int | None = None,
         metadata: Mapping[str, str] | None = None,
+        context_overflow: str | None = None,
         timeout: float | None = None,
     ) -> _SessionOpener:
         """``async with client.session() as s`` (or ``s = await
@@ -388,7 +389,10 @@ class AsyncClient(_ClientBase):
                 info = await self.get_session(session_id, timeout=timeout)
                 return AsyncSession(self, info, close_on_exit=False)
             info = await self.create_session(
-                idle_ttl_seconds=idle_ttl_seconds, metadata=metadata, timeout=timeout
+                idle_ttl_seconds=idle_ttl_seconds,
+                metadata=metadata,
+                context_overflow=context_overflow,
+                timeout=timeout,
             )
             return AsyncSession(self, info, close_on_exit=True)
 
@@ -399,10 +403,13 @@ class AsyncClient(_ClientBase):
         *,
         idle_ttl_seconds: int | None = None,
         metadata: Mapping[str, str] | None = None,
+        context_overflow: str | None = None,
         timeout: float | None = None,
     ) -> SessionInfo:
-        """Create an empty session (``idle_ttl_seconds`` unset: server default)."""
-        request = _convert.create_session_request(idle_ttl_seconds, metadata)
+        """Create an empty session (``idle_ttl_seconds`` unset: server default;
+        ``context_overflow`` "error" or "slide": what its turns do at the
+        context window unless a turn says otherwise, unset: server default)."""
+        request = _convert.create_session_request(idle_ttl_seconds, metadata, context_overflow)
         response = await self._unary(self._sessions.CreateSession, request, timeout)
         return _convert.session_from_proto(response.session)
 

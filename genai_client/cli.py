@@ -57,6 +57,7 @@ _OPTION_KEYS = [flag[2:].replace("-", "_") for flag, _, _ in _VALUE_FLAGS] + [
     "ignore_eos",
     "include_stop_sequence",
     "priority",
+    "context_overflow",
     "add_special_tokens",
     "skip_special_tokens",
     "json_schema",
@@ -131,6 +132,11 @@ def _generation_flags() -> argparse.ArgumentParser:
         help="keep the matched stop sequence in the text",
     )
     group.add_argument("--priority", choices=["low", "normal", "high"])
+    group.add_argument(
+        "--context-overflow",
+        choices=["error", "slide"],
+        help="at the context window: stop, or drop the oldest tokens and go on",
+    )
     group.add_argument(
         "--no-special-tokens",
         dest="add_special_tokens",
@@ -234,6 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
     actions = session.add_subparsers(dest="action", required=True, metavar="ACTION")
     create = actions.add_parser("create", help="create a session")
     create.add_argument("--idle-ttl-seconds", type=int)
+    create.add_argument(
+        "--context-overflow",
+        choices=["error", "slide"],
+        help="what its turns do at the context window (default: the server's)",
+    )
     _metadata_flag(create)
     for name, help_text in (
         ("get", "describe a session"),
@@ -403,7 +414,9 @@ def _chat(client: Client, args: argparse.Namespace, out: TextIO, err: TextIO) ->
 def _session(client: Client, args: argparse.Namespace, out: TextIO) -> int:
     if args.action == "create":
         info = client.create_session(
-            idle_ttl_seconds=args.idle_ttl_seconds, metadata=dict(args.metadata)
+            idle_ttl_seconds=args.idle_ttl_seconds,
+            metadata=dict(args.metadata),
+            context_overflow=args.context_overflow,
         )
         _print_json(info, out)
     elif args.action == "get":

@@ -407,7 +407,8 @@ class Client(_ClientBase):
         ``seed``, ``stop`` (str or list), ``stop_token_ids``, ``ignore_eos``,
         ``include_stop_sequence``, ``time_limit_ms``, ``top_logprobs``,
         ``priority`` ("low"|"normal"|"high"), ``add_special_tokens``,
-        ``skip_special_tokens``, ``request_id``, ``cache_salt``, ``truncate_prompt_tokens``; see
+        ``skip_special_tokens``, ``request_id``, ``cache_salt``, ``truncate_prompt_tokens``,
+        ``context_overflow`` ("error"|"slide"); see
         :class:`~genai_client._convert.GenerateOptions`. ``timeout`` is the
         call's deadline in seconds.
         """
@@ -443,6 +444,7 @@ class Client(_ClientBase):
         *,
         idle_ttl_seconds: int | None = None,
         metadata: Mapping[str, str] | None = None,
+        context_overflow: str | None = None,
         timeout: float | None = None,
     ) -> Session:
         """A :class:`Session` to run turns in: a new one (closed when a
@@ -450,7 +452,10 @@ class Client(_ClientBase):
         if session_id is not None:
             return Session(self, self.get_session(session_id, timeout=timeout), close_on_exit=False)
         info = self.create_session(
-            idle_ttl_seconds=idle_ttl_seconds, metadata=metadata, timeout=timeout
+            idle_ttl_seconds=idle_ttl_seconds,
+            metadata=metadata,
+            context_overflow=context_overflow,
+            timeout=timeout,
         )
         return Session(self, info, close_on_exit=True)
 
@@ -459,10 +464,13 @@ class Client(_ClientBase):
         *,
         idle_ttl_seconds: int | None = None,
         metadata: Mapping[str, str] | None = None,
+        context_overflow: str | None = None,
         timeout: float | None = None,
     ) -> SessionInfo:
-        """Create an empty session (``idle_ttl_seconds`` unset: server default)."""
-        request = _convert.create_session_request(idle_ttl_seconds, metadata)
+        """Create an empty session (``idle_ttl_seconds`` unset: server default;
+        ``context_overflow`` "error" or "slide": what its turns do at the
+        context window unless a turn says otherwise, unset: server default)."""
+        request = _convert.create_session_request(idle_ttl_seconds, metadata, context_overflow)
         response = self._unary(self._sessions.CreateSession, request, timeout)
         return _convert.session_from_proto(response.session)
 

@@ -130,6 +130,8 @@ class SessionInfo:
     idle_ttl_seconds: int
     busy: bool
     metadata: dict[str, str] = field(default_factory=dict)
+    context_overflow: str = "error"  # its turns' default at the context window: or "slide"
+    dropped_tokens: int = 0  # history dropped by slides since creation or reset
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,9 @@ from __future__ import annotations
 # client, for proxies that hash on it; on the HTTP gateway it names the
 # session a completion continues. See docs/design.md, "Routing a session's turns".
 SESSION_ID_HEADER = "x-session-id"
+# HTTP gateway: what a completion does at the context window ("error" or
+# "slide"; GenerateRequest.context_overflow). A body field of the same name wins.
+CONTEXT_OVERFLOW_HEADER = "x-context-overflow"
 
 
 def header_safe(value: str) -> bool:

@@ -272,19 +272,50 @@ class LimitsConfig:
             )
 
 
+CONTEXT_OVERFLOWS = ("error", "slide")  # ContextOverflow ERROR, SLIDE
+
+
 @dataclass(frozen=True)
 class ContextConfig:
     """What happens at the context window (docs/design.md, "Context window")."""
 
+    overflow: str = flag(
+        "error",
+        name="context-overflow",
+        help="at the context window: stop (error), or drop the oldest tokens after the "
+        "sinks and go on (slide); a request or session may choose",
+        choices=CONTEXT_OVERFLOWS,
+    )
     sink_tokens: int = flag(
         4,
-        help="the first N tokens of a prompt that truncate_prompt_tokens never drops",
+        help="the first N tokens of a sequence, never dropped by a slide or by "
+        "truncate_prompt_tokens",
         metavar="N",
+    )
+    slide_tokens: int | None = flag(
+        None,
+        name="context-slide-tokens",
+        help="tokens one slide drops (default: a quarter of the window; rounded up so "
+        "that what is kept ends on a KV chunk boundary)",
+        metavar="N",
+    )
+    # How a slide repositions the kept KV: rotate the cached keys by the
+    # shift (graphs whose GroupQueryAttention applies RoPE from its own
+    # tables), or recompute the kept tokens; auto: rotate where the graph allows.
+    slide_kv: str = flag(
+        "auto",
+        name="context-slide-kv",
+        help="how a slide repositions the kept KV",
+        choices=("auto", "rotate", "recompute"),
     )
 
     def __post_init__(self) -> None:
         if self.sink_tokens < 0:
             raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
+        if self.overflow not in CONTEXT_OVERFLOWS:
+            raise ValueError(f"overflow must be one of {CONTEXT_OVERFLOWS}, got {self.overflow!r}")
+        if self.slide_tokens is not None:
+            _positive("slide_tokens", self.slide_tokens)
 
 
 @dataclass(frozen=True)

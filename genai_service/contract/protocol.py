@@ -29,6 +29,7 @@ class CreateSession:
     idle_ttl_s: float | None = None  # None: the engine's default
     owner: str = ""  # the principal that creates it
     metadata: dict[str, str] | None = None
+    context_overflow: str | None = None  # None: the engine's default
 
 
 @dataclass(frozen=True)

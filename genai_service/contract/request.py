@@ -97,6 +97,9 @@ class GenerationRequest:
     # A longer prompt keeps its first sink tokens and its last ones up to this
     # many in all (vLLM's truncate_prompt_tokens); None: never cut.
     truncate_prompt_tokens: int | None = None
+    # At the context window: "error" or "slide" (config.CONTEXT_OVERFLOWS);
+    # None: the session's setting in a turn, else the server's default.
+    context_overflow: str | None = None
 
 
 @dataclass(frozen=True)
@@ -122,7 +125,9 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV was reused, not recomputed
-    dropped_tokens: int = 0  # prompt tokens cut by truncate_prompt_tokens
+    # Tokens cut by truncate_prompt_tokens, and dropped by context slides
+    # (docs/design.md, "Context window").
+    dropped_tokens: int = 0
 
 
 @dataclass(frozen=True)

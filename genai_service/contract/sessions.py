@@ -25,6 +25,8 @@ class SessionInfo:
     busy: bool
     metadata: dict[str, str] = field(default_factory=dict)
     last_token_id: int | None = None  # lets the frontend continue a chat template
+    context_overflow: str = "error"  # its turns' default: "error" or "slide"
+    dropped_tokens: int = 0  # history dropped by slides since creation or reset
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from ..model.model_dir import ModelSpec, load_model_spec
 from ..model.tokenizer import Tokenizer
 from .in_process import InProcessDriver
 from .kv.kv_chunk_store import KvChunkStore
+from .kv.window import SlidePolicy, next_lineage
 from .kv_reuse import KvReuse
 from .runner.model_runner import ModelRunner, StepItem
 from .runner.runners import create_runner
@@ -44,7 +45,7 @@ from .sampling_rows import TokenPicker
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import SeqStatus, Sequence, new_sequence
 from .sessions.restores import HeldOutputs, ParkedRequests, PendingCall, SessionCalls
-from .sessions.sessions import Session, SessionTable
+from .sessions.sessions import Session, SessionTable, slide_turn_ends
 from .speculation import Speculation
 from .validation import resolve_max_new_tokens, truncate_prompt, validate_request
 
@@ -93,10 +94,12 @@ class LLMEngine(InProcessDriver):
         self.vocab_size = self.spec.vocab_size
         self.counters: Counter[str] = Counter()
         self.kv_reuse = KvReuse.for_model(
-            self.runner, self.spec, config, self.counters, chunk_store
+            self.runner, self.spec, config, self.counters, chunk_store, max_len=context
         )
         # Reused KV is attached when a sequence is admitted to its first step.
-        self.scheduler = Scheduler(config.scheduler, admit=self.kv_reuse.attach)
+        self.scheduler = Scheduler(config.scheduler, admit=self._admit)
+        self.window, self.slide_kv = self._slide_policy(config, context)
+        self._slides_due: list[Sequence] = []  # reached the window this step
         # Aliases read by the engine process and tests; ``remote`` also carries
         # the session records.
         self.remote = self.kv_reuse.remote
@@ -147,6 +150,30 @@ class LLMEngine(InProcessDriver):
             else None
         )
 
+    def _slide_policy(self, config: EngineConfig, window: int) -> tuple[SlidePolicy | None, str]:
+        """The window's slide and how it moves KV ("rotate" or "recompute");
+        no policy when the window is too small to slide and no one asked to."""
+        ctx = config.context
+        if ctx.slide_kv == "rotate" and self.runner.rope is None:
+            raise ValueError(
+                "context_slide_kv: rotate needs a graph whose GroupQueryAttention applies "
+                "RoPE from its own tables; this one does not (use recompute or auto)"
+            )
+        how = (
+            "rotate"
+            if ctx.slide_kv != "recompute" and self.runner.rope is not None
+            else ("recompute")
+        )
+        try:
+            policy = SlidePolicy.make(
+                window, ctx.sink_tokens, ctx.slide_tokens, config.cache.chunk_size
+            )
+        except ValueError:
+            if ctx.overflow == "slide" or ctx.slide_tokens is not None:
+                raise
+            return None, how
+        return policy, how
+
     # -- public API ------------------------------------------------------------
 
     def info(self) -> EngineInfo:
@@ -195,12 +222,22 @@ class LLMEngine(InProcessDriver):
         request, dropped = truncate_prompt(
             request, self.config.context.sink_tokens, session is not None
         )
+        overflow = request.context_overflow or (
+            session.context_overflow if session is not None else self.config.context.overflow
+        )
+        slide = overflow == "slide"
+        if slide and self.window is None:
+            raise InvalidArgument(
+                f"context_overflow: slide is not possible in this server's "
+                f"{self.context_length}-token context window"
+            )
         validate_request(
             request,
             vocab_size=self.vocab_size,
             context_length=self.context_length,
             history_len=len(history),
             limits=self.config.limits,
+            slide_sinks=self.window.sinks if slide and self.window else None,
         )
         # The turn's own constraint; the history never passes through it. A
         # grammar not in the cache compiles on the compiler thread while the
@@ -230,6 +267,9 @@ class LLMEngine(InProcessDriver):
             )
             seq.matcher = matcher
             seq.dropped_tokens = dropped
+            seq.slide = slide
+            if session is not None:
+                seq.lineage = session.lineage
             if compiled is not None and matcher is None:
                 self._compiling.append((seq, compiled))  # admitted by _admit_compiled
             else:
@@ -244,6 +284,55 @@ class LLMEngine(InProcessDriver):
     def _schedule(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
         self.kv_reuse.start_prefetch(seq)
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Before a sequence's first step: attach its reused KV, then slide a
+        turn whose history and input pass the window."""
+        if not self.kv_reuse.attach(seq):
+            return False
+        if seq.lineage and seq.num_computed <= min(self.config.context.sink_tokens, seq.prompt_len):
+            seq.lineage = b""  # none of its moved KV came back: all is computed afresh
+        if seq.slide and len(seq.token_ids) >= self.context_length:
+            keep_from = len(seq.token_ids) - len(seq.request.prompt_token_ids)
+            if (
+                self.slide_kv == "rotate"
+                and self.window
+                and (self.window.sinks_for(keep_from) < seq.num_computed < keep_from)
+            ):
+                # The history's tail was computed before the slide where it ran
+                # first: compute it so again, then slide (_slide_due).
+                seq.hold_at = keep_from
+            else:
+                self._slide(seq, keep_from)
+                seq.num_cached = min(seq.num_cached, seq.num_computed)
+        return True
+
+    def _slide(self, seq: Sequence, keep_from: int) -> None:
+        """Drop the oldest tokens after the sinks (kv/window.py) from the context
+        and the KV of ``seq``; its tokens from ``keep_from`` on stay."""
+        assert self.window is not None  # only sliding sequences come here
+        n = len(seq.token_ids)
+        drop = self.window.drop_for(n, keep_from)
+        start = self.window.sinks_for(keep_from)
+        held = min(self.runner.kv_len(seq.seq_id), seq.num_computed)
+        before = list(seq.token_ids) if self.slide_kv == "rotate" else []
+        if self.slide_kv == "rotate" and held > start + drop:
+            self.runner.shift(seq.seq_id, start, drop)
+            seq.num_computed = held - drop
+            seq.lineage = next_lineage(seq.lineage, before, start, drop)
+        else:
+            # Recompute what is kept after the sinks (their KV never changes).
+            if held > start:
+                self.runner.truncate(seq.seq_id, start)
+            seq.num_computed = min(held, start)
+            seq.lineage = b""
+        seq.drop(start, drop)
+        if self.speculation is not None:
+            self.speculation.forget(seq.seq_id)  # its n-gram index is of the old context
+        kept_chunks = start // self.chunk_size if not seq.lineage else 0
+        self.kv_reuse.after_slide(seq, kept_chunks)
+        self.counters["context_slides"] += 1
+        self.counters["context_dropped_tokens"] += drop
 
     def _admit_compiled(self) -> None:
         """Schedule the requests whose constraint has compiled; fail those
@@ -323,7 +412,10 @@ class LLMEngine(InProcessDriver):
         if not batch:
             return outputs
         computed = self._run(batch)
-        return outputs + self._postprocess(computed) + self._drain_pending()
+        outputs += self._postprocess(computed)
+        if self._slides_due:
+            self._slide_due()
+        return outputs + self._drain_pending()
 
     # sessions: the calls that take a session id answer a ``PendingCall`` when
     # the session must first come from its kvstore record (``SessionCalls``).
@@ -333,8 +425,15 @@ class LLMEngine(InProcessDriver):
         idle_ttl_s: float | None = None,
         owner: str = "",
         metadata: dict[str, str] | None = None,
+        context_overflow: str | None = None,
     ) -> SessionInfo:
-        return self.session_calls.create(idle_ttl_s, owner, metadata)
+        overflow = context_overflow or self.config.context.overflow
+        if overflow == "slide" and self.window is None:
+            raise InvalidArgument(
+                f"context_overflow: slide is not possible in this server's "
+                f"{self.context_length}-token context window"
+            )
+        return self.session_calls.create(idle_ttl_s, owner, metadata, overflow)
 
     def get_session(self, session_id: str, principal: str = "") -> SessionInfo | PendingCall:
         return self.session_calls.get(session_id, principal)
@@ -434,6 +533,8 @@ class LLMEngine(InProcessDriver):
         to_sample: list[int] = []
         for i, (seq, n) in enumerate(computed.plain):
             seq.num_computed += n
+            if seq.hold_at is not None and seq.num_computed >= seq.hold_at:
+                self._slides_due.append(seq)  # its held history is computed
             if seq.status is SeqStatus.COMMITTING:
                 self._park_session(seq)
             elif seq.num_pending == 0:
@@ -451,6 +552,19 @@ class LLMEngine(InProcessDriver):
         outputs.extend(self._append_token(seq, *p) for seq, p in zip(seqs, picks, strict=True))
         return outputs
 
+    def _slide_due(self) -> None:
+        """Slide the sequences that reached the window this step (still running)."""
+        due, self._slides_due = self._slides_due, []
+        for seq in due:
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            if seq.hold_at is not None:
+                keep_from, seq.hold_at = seq.hold_at, None
+                self._slide(seq, keep_from)
+                seq.num_cached = min(seq.num_cached, seq.num_computed)
+            elif len(seq.token_ids) >= self.context_length:
+                self._slide(seq, keep_from=len(seq.token_ids) - 1)
+
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> RequestOutput:
         """Append a picked token; apply the stop rules; the token's output."""
         try:
@@ -462,6 +576,8 @@ class LLMEngine(InProcessDriver):
             return RequestOutput(seq.request_id)
         delta = RequestOutput(seq.request_id, (token,), text, (lp,) if lp else ())
         if finish is None:
+            if seq.slide and len(seq.token_ids) >= self.context_length:
+                self._slides_due.append(seq)  # after the step's tokens are all in
             return delta
         final = self._finish(seq, finish, emit=False)
         if seq.session is not None and self._held is not None:
@@ -485,6 +601,10 @@ class LLMEngine(InProcessDriver):
             elif not abort:
                 session.history = list(seq.token_ids)
                 session.turns += 1
+                if seq.slides:  # its context slid: earlier turn ends moved or are gone
+                    session.turn_ends = slide_turn_ends(session.turn_ends, seq.slides)
+                    session.dropped_tokens += sum(n for _, n in seq.slides)
+                session.lineage = seq.lineage
                 session.turn_ends.append(len(session.history))
                 self.session_calls.save(session)
                 # The last sampled token has no KV yet: compute it next step so

@@ -26,6 +26,7 @@ through ``kv_len``/``read_kv``/``write_kv``/``release``.
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,7 @@ from .kv.kv_chunk_store import KvChunkStore
 from .kv.kv_connector import GrpcKvChunkStore
 from .kv.kv_integrity import KvIntegrity
 from .kv.prefix_cache import PrefixIndex, chunk_keys, make_namespace, scoped_namespace
+from .sequence import SeqStatus
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
@@ -62,8 +64,10 @@ class KvReuse:
         remote: KvChunkStore | None = None,
         counters: Counter[str] | None = None,
         scope: str = "global",
+        max_len: int = 2**31,
     ) -> None:
         self.runner = runner
+        self.max_len = max_len  # KV positions a sequence may hold (the context window)
         self.namespace = namespace  # the model's; each sequence's is ``namespace_of``
         self.scope = scope  # CacheConfig.prefix_cache_scope
         self.chunk_size = chunk_size
@@ -86,6 +90,7 @@ class KvReuse:
         config: EngineConfig,
         counters: Counter[str],
         chunk_store: KvChunkStore | None = None,
+        max_len: int = 2**31,
     ) -> KvReuse:
         """The namespace from the model, its KV layout and the kvstore's integrity
         key; the kvstore connector from ``config.kvstore`` unless ``chunk_store``
@@ -119,6 +124,7 @@ class KvReuse:
             remote,
             counters,
             cache.prefix_cache_scope or "global",  # unresolved only without a server
+            max_len,
         )
 
     def namespace_of(self, seq: Sequence) -> bytes:
@@ -128,7 +134,22 @@ class KvReuse:
         principal = None
         if self.scope == "principal":
             principal = seq.session.owner if seq.session is not None else request.principal
-        return scoped_namespace(self.namespace, principal, request.cache_salt)
+        namespace = scoped_namespace(self.namespace, principal, request.cache_salt)
+        if seq.lineage:  # its keys were moved by a slide (kv/window.next_lineage)
+            namespace = hashlib.blake2b(namespace + seq.lineage, digest_size=16).digest()
+        return namespace
+
+    def after_slide(self, seq: Sequence, kept_chunks: int) -> None:
+        """``seq`` has slid: its first ``kept_chunks`` stored chunks are still
+        what they were (under the same keys); the rest are stored again as
+        they complete. A stateless sequence whose keys moved shares no more:
+        no other request has its lineage."""
+        seq.stored_chunks = min(seq.stored_chunks, kept_chunks)
+        if seq.lineage and seq.session is None:
+            seq.shareable = False
+            self.untrack(seq)
+        elif seq.status is not SeqStatus.WAITING and seq not in self._unshared:
+            self.track(seq)
 
     def track(self, seq: Sequence) -> None:
         """``seq``'s prompt is computed: share its chunks when it finishes
@@ -211,7 +232,7 @@ class KvReuse:
 
     def unstored(self, seq: Sequence) -> int:
         """Complete chunks of ``seq`` that ``store`` would still copy out."""
-        if not self.prefix_index.capacity_bytes and self.remote is None:
+        if not seq.shareable or (not self.prefix_index.capacity_bytes and self.remote is None):
             return 0
         return max(0, self._kv_len(seq) // self.chunk_size - seq.stored_chunks)
 
@@ -287,6 +308,8 @@ class KvReuse:
         """An aborted turn leaves the history as it was: park its KV if ``seq``
         (running) has computed all of it."""
         n = len(session.history)
+        if seq.slides:
+            return  # its context slid: its KV is no longer the history's
         if self.runner.kv_len(seq.seq_id) >= n > 0:
             session.kv, session.kv_len = self.snapshot(seq, n), n
 
@@ -314,7 +337,10 @@ class KvReuse:
                     return
 
     def _prompt_keys(self, seq: Sequence) -> list[bytes]:
-        return chunk_keys(self.namespace_of(seq), seq.token_ids[: seq.prompt_len], self.chunk_size)
+        # Never more than the runner holds (a turn's history and input may pass
+        # the window before its slide).
+        n = min(seq.prompt_len, self.max_len - 1)
+        return chunk_keys(self.namespace_of(seq), seq.token_ids[:n], self.chunk_size)
 
     def _write(self, seq: Sequence, chunks: list[KvLayers]) -> int:
         """Write reused chunks as the sequence's KV, but never the whole prompt:

@@ -135,7 +135,9 @@ def dispatch(engine: LLMEngine, call: Call) -> Any:
     """Run ``call`` on the engine: its answer, or a ``PendingCall`` for it."""
     match call:
         case CreateSession():
-            return engine.create_session(call.idle_ttl_s, call.owner, call.metadata)
+            return engine.create_session(
+                call.idle_ttl_s, call.owner, call.metadata, call.context_overflow
+            )
         case GetSession():
             return engine.get_session(call.session_id, call.principal)
         case ResetSession():

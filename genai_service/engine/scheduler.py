@@ -92,7 +92,7 @@ class Scheduler:
         for seq in prefilling:
             if budget <= 0:
                 break
-            n = min(seq.num_pending, budget)
+            n = seq.next_chunk(budget)
             batch.items.append((seq, n))
             budget -= n
         deferred: list[tuple[tuple[int, float, int], Sequence]] = []
@@ -104,7 +104,7 @@ class Scheduler:
                 continue
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_pending, budget)
+            n = seq.next_chunk(budget)
             batch.items.append((seq, n))
             budget -= n
         for item in deferred:

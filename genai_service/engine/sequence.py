@@ -59,7 +59,20 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0
     num_cached: int = 0  # prompt tokens whose KV was reused (prefix index or session)
-    dropped_tokens: int = 0  # prompt tokens cut by truncate_prompt_tokens
+    dropped_tokens: int = 0  # cut by truncate_prompt_tokens, then dropped by slides
+    # CONTEXT_OVERFLOW_SLIDE: at the window, drop old tokens and go on (kv/window.py).
+    slide: bool = False
+    # Each slide of this request: (first dropped position, tokens dropped).
+    slides: list[tuple[int, int]] = field(default_factory=list)
+    # Non-empty once the KV holds keys moved by a slide (no longer what a
+    # fresh compute of ``token_ids`` gives): its chunk keys chain from it.
+    lineage: bytes = b""
+    # Whether its chunks may go to the prefix index and the kvstore.
+    shareable: bool = True
+    prompt_tokens: int = 0  # Usage.prompt_tokens: the prompt as it began to run
+    # Compute no further than this before sliding (a restored history's tail
+    # is computed where it was, before the slide its turn needs); None: no hold.
+    hold_at: int | None = None
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     stored_chunks: int = 0  # leading chunks already in the prefix index
@@ -79,6 +92,13 @@ class Sequence:
     def num_pending(self) -> int:
         """Tokens whose KV is not computed yet."""
         return len(self.token_ids) - self.num_computed
+
+    def next_chunk(self, budget: int) -> int:
+        """How many pending tokens a prefill step computes within ``budget``."""
+        n = min(self.num_pending, budget)
+        if self.hold_at is not None:
+            n = min(n, self.hold_at - self.num_computed)
+        return n
 
     def append(
         self,
@@ -119,7 +139,7 @@ class Sequence:
         context, or its time limit."""
         if len(self.output_ids) >= self.max_new_tokens:
             return FinishReason.MAX_TOKENS
-        if len(self.token_ids) >= context_length:
+        if len(self.token_ids) >= context_length and not self.slide:
             return FinishReason.CONTEXT_LENGTH
         if self.deadline is not None and time.monotonic() >= self.deadline:
             return FinishReason.TIME_LIMIT
@@ -135,12 +155,25 @@ class Sequence:
             finish_reason=self.finish_reason,
             stop_sequence=self.text.stop_sequence,
             usage=Usage(
-                self.prompt_len, len(self.output_ids), self.num_cached, self.dropped_tokens
+                self.prompt_tokens, len(self.output_ids), self.num_cached, self.dropped_tokens
             ),
             seed=self.seed,
             session_id=session.session_id if session else None,
             session_tokens=len(session.history) if session else 0,
         )
+
+    def drop(self, start: int, n: int) -> None:
+        """Drop context positions ``start .. start+n-1`` (a slide; the runner's
+        KV is the caller's): later tokens move ``n`` down."""
+        del self.token_ids[start : start + n]
+        # The prompt's part of what was dropped: before generation the drop
+        # is the prompt's (and Usage counts the prompt as it then runs).
+        in_prompt = max(0, min(self.prompt_len, start + n) - start)
+        self.prompt_len -= in_prompt
+        if not self.output_ids:
+            self.prompt_tokens -= in_prompt
+        self.dropped_tokens += n
+        self.slides.append((start, n))
 
     @property
     def priority_key(self) -> tuple[int, float, int]:
@@ -172,6 +205,7 @@ def new_sequence(
         request=request,
         token_ids=token_ids,
         prompt_len=len(token_ids),
+        prompt_tokens=len(token_ids),
         max_new_tokens=max_new_tokens,
         eos_token_ids=frozenset(() if stopping.ignore_eos else eos_token_ids),
         stop_token_ids=frozenset(stopping.stop_token_ids),

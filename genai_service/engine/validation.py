@@ -92,6 +92,7 @@ def validate_request(
     context_length: int,
     history_len: int,
     limits: LimitsConfig,
+    slide_sinks: int | None = None,
 ) -> None:
     """Check everything about a request before any work is done."""
     if not request.request_id:
@@ -105,7 +106,17 @@ def validate_request(
                 f"token_ids[{i}]: {tok} is out of range; allowed [0, {vocab_size - 1}]"
             )
     total = history_len + n_prompt
-    if total >= context_length:
+    if slide_sinks is not None and history_len:
+        # CONTEXT_OVERFLOW_SLIDE: the history slides; the new input must fit
+        # beside the sink tokens the history keeps.
+        kept = min(slide_sinks, history_len)
+        if kept + n_prompt >= context_length:
+            raise InvalidArgument(
+                f"input: {n_prompt} new tokens; the context window is {context_length} "
+                f"tokens and the session keeps {kept} sink tokens, so a turn may add at most "
+                f"{context_length - 1 - kept}"
+            )
+    elif total >= context_length:
         where = f" ({history_len} in the session history + {n_prompt} new)" if history_len else ""
         raise InvalidArgument(
             f"input: the prompt has {total} tokens{where}; the context window is "

@@ -47,6 +47,7 @@ from .model_config import (
     special_token_text,
 )
 from .model_config import SAMPLING_KEYS as SAMPLING_KEYS
+from .rope import RopeSource, find_rope_sources
 
 MODEL_FILE = "model.onnx"
 TOKENIZER_FILE = "tokenizer.json"
@@ -111,6 +112,9 @@ class ModelSpec:
     sampling_defaults: dict[str, float | int] = field(hash=False)
     chat_template: str | None
     fingerprint: str  # hex; see _fingerprint
+    # Each layer's rotary tables in the graph, where every layer's
+    # GroupQueryAttention applies RoPE from initializers (model/rope.py); None otherwise.
+    rope_sources: tuple[RopeSource, ...] | None = field(default=None, hash=False)
 
 
 @dataclass(frozen=True)
@@ -239,6 +243,7 @@ def load_model_spec(path: str | Path) -> ModelSpec:
         sampling_defaults=_sampling_defaults(genai, meta),
         chat_template=find_chat_template(root, tok_cfg),
         fingerprint=_fingerprint(graph_bytes, _external_data_sizes(model, onnx_path)),
+        rope_sources=find_rope_sources(model, [k for k, _ in past_names]),
     )
 
 

@@ -34,6 +34,24 @@ _PRIORITY = {
     common_pb2.PRIORITY_NORMAL: Priority.NORMAL,
     common_pb2.PRIORITY_HIGH: Priority.HIGH,
 }
+_OVERFLOW: dict[int, str | None] = {
+    common_pb2.CONTEXT_OVERFLOW_UNSPECIFIED: None,
+    common_pb2.CONTEXT_OVERFLOW_ERROR: "error",
+    common_pb2.CONTEXT_OVERFLOW_SLIDE: "slide",
+}
+_OVERFLOW_PB = {v: k for k, v in _OVERFLOW.items() if v is not None}
+
+
+def context_overflow(value: int) -> str | None:
+    """A ContextOverflow field as the engine's "error"/"slide" (None: unspecified)."""
+    if value not in _OVERFLOW:
+        raise InvalidArgument(
+            f"context_overflow: {value} is not a known value; allowed "
+            "CONTEXT_OVERFLOW_ERROR, CONTEXT_OVERFLOW_SLIDE (or unset)"
+        )
+    return _OVERFLOW[value]
+
+
 _FINISH = {reason: getattr(common_pb2, f"FINISH_REASON_{reason.value}") for reason in FinishReason}
 _RUNNER = {
     "past_present": model_pb2.RUNNER_KIND_PAST_PRESENT,
@@ -181,6 +199,7 @@ def generation_request(
         cache_salt=_opt(request, "cache_salt"),  # type: ignore[arg-type]
         constraint=constraint(request),
         truncate_prompt_tokens=_opt(request, "truncate_prompt_tokens"),  # type: ignore[arg-type]
+        context_overflow=context_overflow(request.context_overflow),
     )
 
 
@@ -287,6 +306,8 @@ def session(info: SessionInfo) -> session_pb2.Session:
         idle_ttl_seconds=int(info.idle_ttl_s),
         busy=info.busy,
         metadata=info.metadata,
+        context_overflow=_OVERFLOW_PB[info.context_overflow],  # type: ignore[arg-type]
+        dropped_tokens=info.dropped_tokens,
     )
 
 

@@ -387,8 +387,11 @@ class EngineProcess:
         idle_ttl_s: float | None = None,
         owner: str = "",
         metadata: dict[str, str] | None = None,
+        context_overflow: str | None = None,
     ) -> SessionInfo:
-        info: SessionInfo = await self._call(CreateSession(idle_ttl_s, owner, metadata))
+        info: SessionInfo = await self._call(
+            CreateSession(idle_ttl_s, owner, metadata, context_overflow)
+        )
         return info
 
     async def get_session(self, session_id: str, principal: str = "") -> SessionInfo:

@@ -298,3 +298,40 @@ def test_the_fork_section_has_its_targets_and_table() -> None:
     assert fork["met"] is True and fork["headline"]
     md = report.markdown(r)
     assert "| ForkSession (whole history) | 0.10 | 0.100 | 2.000 | 0.05× |" in md
+
+
+def test_the_slide_section_has_its_target_and_table() -> None:
+    r = results()
+    run = {
+        "ttft_s": [0.5, 0.1, 0.12, 0.11],
+        "ttft_median_s": 0.115,
+        "ttft_max_s": 0.5,
+        "ttft_first_half_median_s": 0.3,
+        "ttft_second_half_median_s": 0.115,
+        "slides": 2,
+        "slide_ms_median": 3.25,
+        "dropped_tokens": 512,
+        "resets": 0,
+        "history_tokens": 300,
+        "last_answers": ["a", "the | last\nanswer"],
+        "slide_kv": "rotate",
+    }
+    r["session_slide"] = {
+        "window": 512,
+        "turns": 4,
+        "answer_tokens": 96,
+        "slide_rotate": run,
+        "slide_recompute": {**run, "slide_kv": "recompute"},
+        "reset": {**run, "slides": 0, "slide_ms_median": 0.0, "resets": 2},
+        "rotate_ttft_growth": 0.38,
+        "rotate_vs_reset_ttft_max": 1.0,
+    }
+    ts = _by_name(r)
+    name = (
+        "a session past its window (slide, keys rotated): second-half median TTFT ≤ 1.5× "
+        "the first half's"
+    )
+    assert ts[name]["met"] is True and ts[name]["headline"]
+    md = report.markdown(r)
+    assert "| slide, keys rotated | 0.50 | 0.10 | 0.12 | 0.11 | 2 (3.2) | 512 | 0 |" in md
+    assert "“the / last answer…”" in md

@@ -93,8 +93,12 @@ class FakeEngine:
 
 
 CALLS: list[tuple[Call, str, tuple[Any, ...]]] = [
-    (CreateSession(30.0, "alice", {"k": "v"}), "create_session", (30.0, "alice", {"k": "v"})),
-    (CreateSession(), "create_session", (None, "", None)),
+    (
+        CreateSession(30.0, "alice", {"k": "v"}, "slide"),
+        "create_session",
+        (30.0, "alice", {"k": "v"}, "slide"),
+    ),
+    (CreateSession(), "create_session", (None, "", None, None)),
     (GetSession("s1", "alice"), "get_session", ("s1", "alice")),
     (ResetSession("s1", "alice"), "reset_session", ("s1", "alice")),
     (CloseSession("s1", "alice"), "close_session", ("s1", "alice")),

@@ -85,6 +85,10 @@ type Request struct {
 	// TruncatePromptTokens: a longer prompt keeps its first sink tokens and
 	// its last ones, this many in all (Usage.DroppedTokens counts the rest).
 	TruncatePromptTokens *uint32
+	// ContextOverflow: at the context window, "error" stops and "slide"
+	// drops the oldest tokens after the sink tokens and goes on; "": the
+	// session's or the server's default.
+	ContextOverflow string
 
 	// Structured output, at most one.
 	JSONSchema string
@@ -97,6 +101,21 @@ type Request struct {
 	// or a tool's name).
 	Tools      []Tool
 	ToolChoice string
+}
+
+var overflows = map[string]pb.ContextOverflow{
+	"":      pb.ContextOverflow_CONTEXT_OVERFLOW_UNSPECIFIED,
+	"error": pb.ContextOverflow_CONTEXT_OVERFLOW_ERROR,
+	"slide": pb.ContextOverflow_CONTEXT_OVERFLOW_SLIDE,
+}
+
+// contextOverflow is ContextOverflow as its proto value.
+func contextOverflow(mode string) (pb.ContextOverflow, error) {
+	value, ok := overflows[strings.ToLower(strings.TrimPrefix(mode, "CONTEXT_OVERFLOW_"))]
+	if !ok {
+		return 0, fmt.Errorf("genai: ContextOverflow %q is not one of \"error\", \"slide\"", mode)
+	}
+	return value, nil
 }
 
 var priorities = map[string]pb.Priority{
@@ -187,6 +206,11 @@ func (r *Request) Proto() (*pb.GenerateRequest, error) {
 		out.CacheSalt = &r.CacheSalt
 	}
 	out.TruncatePromptTokens = r.TruncatePromptTokens
+	overflow, err := contextOverflow(r.ContextOverflow)
+	if err != nil {
+		return nil, err
+	}
+	out.ContextOverflow = overflow
 	if r.Temperature != nil || r.TopK != nil || r.TopP != nil || r.MinP != nil ||
 		r.RepetitionPenalty != nil || r.FrequencyPenalty != nil || r.PresencePenalty != nil ||
 		r.Seed != nil {

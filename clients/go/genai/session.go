@@ -12,11 +12,18 @@ import (
 type SessionOptions struct {
 	IdleTTLSeconds uint32
 	Metadata       map[string]string
+	// ContextOverflow: what the session's turns do at the context window
+	// ("error" or "slide"; "": the server's default).
+	ContextOverflow string
 }
 
 // CreateSession creates an empty session.
 func (c *Client) CreateSession(ctx context.Context, opts SessionOptions) (SessionInfo, error) {
-	in := &pb.CreateSessionRequest{Metadata: opts.Metadata}
+	overflow, err := contextOverflow(opts.ContextOverflow)
+	if err != nil {
+		return SessionInfo{}, err
+	}
+	in := &pb.CreateSessionRequest{Metadata: opts.Metadata, ContextOverflow: overflow}
 	if opts.IdleTTLSeconds != 0 {
 		in.IdleTtlSeconds = &opts.IdleTTLSeconds
 	}

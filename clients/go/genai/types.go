@@ -9,7 +9,8 @@ import (
 
 // Usage is the token accounting of one request. CachedTokens are prompt
 // tokens whose KV cache was reused (prefix cache, session history, kvstore)
-// instead of recomputed; DroppedTokens were cut by TruncatePromptTokens.
+// instead of recomputed; DroppedTokens were cut by TruncatePromptTokens or
+// dropped by a context slide.
 type Usage struct {
 	PromptTokens     uint32
 	CompletionTokens uint32
@@ -70,6 +71,10 @@ type SessionInfo struct {
 	IdleTTLSeconds uint32
 	Busy           bool
 	Metadata       map[string]string
+	// ContextOverflow is "error" or "slide"; DroppedTokens counts the history
+	// the window's slides dropped since creation or the last reset.
+	ContextOverflow string
+	DroppedTokens   uint64
 }
 
 // ModelInfo describes the served model. RunnerKind is "PAST_PRESENT" or
@@ -145,6 +150,8 @@ func sessionFrom(s *pb.Session) SessionInfo {
 		ID: s.GetSessionId(), CreatedAt: s.GetCreatedAt().AsTime(), LastUsedAt: s.GetLastUsedAt().AsTime(),
 		HistoryTokens: s.GetHistoryTokens(), Turns: s.GetTurns(), IdleTTLSeconds: s.GetIdleTtlSeconds(),
 		Busy: s.GetBusy(), Metadata: s.GetMetadata(),
+		ContextOverflow: strings.ToLower(strings.TrimPrefix(s.GetContextOverflow().String(), "CONTEXT_OVERFLOW_")),
+		DroppedTokens:   s.GetDroppedTokens(),
 	}
 }
 

@@ -19,7 +19,7 @@ import { ModelServiceClient } from "./gen/genai/v1/model";
 import { SessionServiceClient } from "./gen/genai/v1/session";
 import type { Token } from "./gen/genai/v1/model";
 import { Code, type GenAIError, InternalError, NotFoundError, errorFor, errorFromStatus, fromServiceError } from "./errors";
-import { checkOptionNames, type GenerateOptions, generateRequest, type MessageLike, messagesProto } from "./request";
+import { checkOptionNames, contextOverflowValue, type GenerateOptions, generateRequest, type MessageLike, messagesProto } from "./request";
 import {
   type BidiEvent,
   type Delta,
@@ -377,6 +377,8 @@ export interface SessionOptions extends CallOptions {
   idleTtlSeconds?: number;
   /** Metadata of a new session. */
   metadata?: Record<string, string>;
+  /** What a new session's turns do at the context window ("error" | "slide"). */
+  contextOverflow?: "error" | "slide";
 }
 
 /** A client of one genai-server: one channel shared by the three services. */
@@ -485,20 +487,28 @@ export class GenAIClient {
 
   /** Create a session (or attach to `sessionId`); its generate/stream are turns. */
   async session(options: SessionOptions = {}): Promise<Session> {
-    const { sessionId, idleTtlSeconds, metadata, ...call } = options;
+    const { sessionId, idleTtlSeconds, metadata, contextOverflow, ...call } = options;
     const info = sessionId
       ? await this.getSession(sessionId, call)
-      : await this.createSession({ idleTtlSeconds, metadata }, call);
+      : await this.createSession({ idleTtlSeconds, metadata, contextOverflow }, call);
     return new Session(this, info);
   }
 
   /** Create an empty session (idleTtlSeconds unset: the server's default). */
   async createSession(
-    request: { idleTtlSeconds?: number; metadata?: Record<string, string> } = {},
+    request: {
+      idleTtlSeconds?: number;
+      metadata?: Record<string, string>;
+      contextOverflow?: "error" | "slide";
+    } = {},
     options?: CallOptions,
   ): Promise<SessionInfo> {
-    checkOptionNames(request, new Set(["idleTtlSeconds", "metadata"]), "createSession");
-    const req = { idleTtlSeconds: request.idleTtlSeconds, metadata: { ...request.metadata } };
+    checkOptionNames(request, new Set(["idleTtlSeconds", "metadata", "contextOverflow"]), "createSession");
+    const req = {
+      idleTtlSeconds: request.idleTtlSeconds,
+      metadata: { ...request.metadata },
+      contextOverflow: contextOverflowValue(request.contextOverflow),
+    };
     const stub = this.sessionStub;
     const response = await this.unary(stub.createSession as UnaryMethod<typeof req, SessionResponse>, stub, req, undefined, options);
     return sessionFromProto(response.session);

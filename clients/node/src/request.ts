@@ -5,7 +5,7 @@
  * spelling, a typo) is a TypeError rather than a field silently dropped, and
  * an enum given by a name it does not know is a TypeError rather than 0.
  */
-import { ChatMessage, Messages, Priority, ToolCall } from "./gen/genai/v1/common";
+import { ChatMessage, ContextOverflow, Messages, Priority, ToolCall } from "./gen/genai/v1/common";
 import { Constraint, GenerateRequest, Tool } from "./gen/genai/v1/generate";
 
 /** A chat message: an object with role and content (name, toolCallId,
@@ -64,6 +64,9 @@ export interface GenerateOptions {
   cacheSalt?: string;
   /** A longer prompt keeps its first sink tokens and its last ones, this many in all. */
   truncatePromptTokens?: number;
+  /** At the context window: "error" stops, "slide" drops the oldest tokens
+   * after the sink tokens and goes on; unset: the session's or server's default. */
+  contextOverflow?: "error" | "slide";
   // structured output (at most one)
   jsonSchema?: object | string;
   regex?: string;
@@ -81,7 +84,7 @@ const OPTION_NAMES: ReadonlySet<string> = new Set([
   "repetitionPenalty", "frequencyPenalty", "presencePenalty", "seed", "maxNewTokens",
   "minNewTokens", "stop", "stopTokenIds", "ignoreEos", "includeStopSequence", "timeLimitMs",
   "topLogprobs", "priority", "addSpecialTokens", "skipSpecialTokens", "requestId", "cacheSalt",
-  "truncatePromptTokens", "jsonSchema", "regex", "grammar", "choice", "jsonObject", "tools", "toolChoice",
+  "truncatePromptTokens", "contextOverflow", "jsonSchema", "regex", "grammar", "choice", "jsonObject", "tools", "toolChoice",
 ] satisfies (keyof GenerateOptions)[]);
 
 const camel = (name: string): string => name.replace(/_([a-z])/g, (_, c: string) => c.toUpperCase());
@@ -109,6 +112,15 @@ export function priorityValue(priority: string | undefined): Priority {
     throw new TypeError(`priority ${JSON.stringify(priority)} is not one of "low", "normal", "high"`);
   }
   return value;
+}
+
+/** "error" | "slide" (or "CONTEXT_OVERFLOW_SLIDE") to the enum; anything else is a TypeError. */
+export function contextOverflowValue(mode: string | undefined): ContextOverflow {
+  if (mode === undefined) return ContextOverflow.CONTEXT_OVERFLOW_UNSPECIFIED;
+  const name = String(mode).toLowerCase().replace(/^context_overflow_/, "");
+  if (name === "error") return ContextOverflow.CONTEXT_OVERFLOW_ERROR;
+  if (name === "slide") return ContextOverflow.CONTEXT_OVERFLOW_SLIDE;
+  throw new TypeError(`contextOverflow ${JSON.stringify(mode)} is not one of "error", "slide"`);
 }
 
 function toolCall(call: ToolCallLike): ToolCall {
@@ -220,6 +232,7 @@ export function generateRequest(options: GenerateOptions | string): GenerateRequ
     skipSpecialTokens: o.skipSpecialTokens,
     cacheSalt: o.cacheSalt,
     truncatePromptTokens: o.truncatePromptTokens,
+    contextOverflow: contextOverflowValue(o.contextOverflow),
     constraint: constraintProto(o),
     tools: (o.tools ?? []).map(toolProto),
     toolChoice: o.toolChoice ?? "",

@@ -2,7 +2,7 @@
  * What the client returns, mirroring the Python client's genai_client/types.py
  * in camelCase: plain objects, enums as their short names ("MAX_TOKENS").
  */
-import { FinishReason, type TokenLogprob, type ToolCall, type Usage } from "./gen/genai/v1/common";
+import { ContextOverflow, FinishReason, type TokenLogprob, type ToolCall, type Usage } from "./gen/genai/v1/common";
 import type { Delta as DeltaProto, Final, GenerateResponse } from "./gen/genai/v1/generate";
 import { RunnerKind, type ModelInfo as ModelInfoProto } from "./gen/genai/v1/model";
 import type { Session as SessionProto } from "./gen/genai/v1/session";
@@ -63,6 +63,10 @@ export interface SessionInfo {
   idleTtlSeconds: number;
   busy: boolean;
   metadata: Record<string, string>;
+  /** "error" or "slide": what its turns do at the context window. */
+  contextOverflow: string;
+  /** History the window's slides dropped since creation or the last reset. */
+  droppedTokens: number;
 }
 
 /** The served model; `runnerKind` is RunnerKind's name without its prefix. */
@@ -112,6 +116,8 @@ export function sessionFromProto(s: SessionProto | undefined): SessionInfo {
     idleTtlSeconds: s.idleTtlSeconds,
     busy: s.busy,
     metadata: { ...s.metadata },
+    contextOverflow: s.contextOverflow === ContextOverflow.CONTEXT_OVERFLOW_SLIDE ? "slide" : "error",
+    droppedTokens: Number(s.droppedTokens),
   };
 }
 

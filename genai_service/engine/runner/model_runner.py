@@ -16,6 +16,7 @@ import onnxruntime as ort
 
 from ...config import RunnerConfig
 from ...model.model_dir import ModelSpec
+from ...model.rope import RopeTable
 from ..kv.prefix_cache import KvLayers, join_chunks
 
 
@@ -39,6 +40,9 @@ class ModelRunner(ABC):
 
     kind: str
     spec: ModelSpec
+    # Each layer's rotary tables (model/rope.py) when the graph's keys can be
+    # moved to new positions by ``shift``; None: they cannot.
+    rope: list[RopeTable] | None = None
 
     @abstractmethod
     def run(self, items: Sequence[StepItem]) -> np.ndarray: ...
@@ -89,6 +93,26 @@ class ModelRunner(ABC):
     def truncate(self, seq_id: int, n: int) -> None:
         """Keep only the first ``n`` tokens of ``seq_id``'s KV (drops the KV of
         draft tokens that were not accepted)."""
+
+    def shift(self, seq_id: int, start: int, drop: int) -> None:
+        """Drop the KV of positions ``start .. start+drop-1`` of ``seq_id``: the
+        KV after them moves ``drop`` positions down, its keys rotated there
+        (``rope``), so positions stay contiguous (the context window's slide)."""
+        held = self.kv_len(seq_id)
+        if self.rope is None:
+            raise ValueError("this graph's keys cannot be shifted (no rotary tables)")
+        if not (start >= 0 and drop >= 1 and start + drop < held):
+            raise ValueError(
+                f"sequence {seq_id}: cannot drop {drop} tokens at {start} of {held} tokens of KV"
+            )
+        self._shift(seq_id, start, drop, held)
+
+    @abstractmethod
+    def _shift(self, seq_id: int, start: int, drop: int, held: int) -> None: ...
+
+    def _shifted(self, layer: int, keys: np.ndarray, drop: int) -> np.ndarray:
+        assert self.rope is not None
+        return self.rope[layer].shift(keys, drop)
 
 
 def make_session_options(config: RunnerConfig) -> ort.SessionOptions:
@@ -154,6 +178,15 @@ class PastPresentRunner(ModelRunner):
         if not 0 <= n <= held:
             raise ValueError(f"sequence {seq_id}: cannot keep {n} of {held} tokens of KV")
         self._kv[seq_id] = [(k[:, :n], v[:, :n]) for k, v in self._kv[seq_id]]
+
+    def _shift(self, seq_id: int, start: int, drop: int, held: int) -> None:
+        self._kv[seq_id] = [
+            (
+                np.concatenate([k[:, :start], self._shifted(layer, k[:, start + drop :], drop)], 1),
+                np.concatenate([v[:, :start], v[:, start + drop :]], 1),
+            )
+            for layer, (k, v) in enumerate(self._kv[seq_id])
+        ]
 
     def _empty_kv(self) -> KvLayers:
         kv = self.spec.kv

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ...config import RunnerConfig
 from ...model.model_dir import ModelSpec
+from ...model.rope import load_rope_tables
 from .model_runner import ModelRunner, PastPresentRunner
 from .shared_buffer_runner import SharedBufferRunner
 
@@ -20,10 +21,15 @@ def create_runner(
     kind = config.runner
     if kind == "auto":
         kind = "shared_buffer" if spec.uses_gqa else "past_present"
+    runner: ModelRunner
     if kind == "shared_buffer":
         if not spec.uses_gqa:
             raise ValueError(
                 "runner: shared_buffer needs a graph with com.microsoft.GroupQueryAttention"
             )
-        return SharedBufferRunner(spec, config, max_slots=max_slots, max_len=max_len)
-    return PastPresentRunner(spec, config)
+        runner = SharedBufferRunner(spec, config, max_slots=max_slots, max_len=max_len)
+    else:
+        runner = PastPresentRunner(spec, config)
+    if spec.rope_sources is not None:
+        runner.rope = load_rope_tables(spec.onnx_path, spec.rope_sources)
+    return runner

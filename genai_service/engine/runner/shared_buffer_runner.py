@@ -200,6 +200,14 @@ class SharedBufferRunner(ModelRunner):
             raise ValueError(f"sequence {seq_id}: cannot keep {n} of {held} tokens of KV")
         self._len[seq_id] = n  # positions past n are overwritten by the next step
 
+    def _shift(self, seq_id: int, start: int, drop: int, held: int) -> None:
+        slot = self._slot[seq_id]
+        end = held - drop
+        for layer, (k, v) in enumerate(zip(self.k_buffers, self.v_buffers, strict=True)):
+            k[slot, :, start:end] = self._shifted(layer, k[slot, :, start + drop : held], drop)
+            v[slot, :, start:end] = v[slot, :, start + drop : held].copy()
+        self._len[seq_id] = end
+
     def _admit(self, item: StepItem) -> None:
         """Check that ``item`` continues its sequence's KV and fits; give it a slot."""
         self._check_start(item)

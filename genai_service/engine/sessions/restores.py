@@ -294,9 +294,13 @@ class SessionCalls:
         return with_session(self.table, self.restores, session_id, principal, then, vouch=vouch)
 
     def create(
-        self, idle_ttl_s: float | None, owner: str, metadata: dict[str, str] | None
+        self,
+        idle_ttl_s: float | None,
+        owner: str,
+        metadata: dict[str, str] | None,
+        context_overflow: str = "error",
     ) -> SessionInfo:
-        session = self.table.create(idle_ttl_s, owner, metadata)
+        session = self.table.create(idle_ttl_s, owner, metadata, context_overflow)
         self.save(session)
         return SessionTable.info(session)
 

@@ -35,7 +35,7 @@ import structlog
 
 from genai_common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 
-from ...config import SESSION_LIST_PAGE_BYTES
+from ...config import CONTEXT_OVERFLOWS, SESSION_LIST_PAGE_BYTES
 from ...contract.sessions import SessionInfo
 from ..kv.prefix_cache import KvLayers, kv_nbytes
 
@@ -49,6 +49,7 @@ MAX_PAGE_SIZE = 1000  # larger page sizes are lowered to it (AIP-158)
 # two timestamps, four integers, the flag and the field's own tag and length.
 _SESSION_FIXED_BYTES = 100
 _METADATA_ENTRY_BYTES = 12  # a map entry's tags and lengths, besides its key and value
+GONE = -1  # a turn end the context window has slid past (RewindSession cannot go there)
 
 
 @dataclass(eq=False)
@@ -69,6 +70,11 @@ class Session:
     version: int = 0
     # Read from a record that says the session was closed (on any replica).
     closed: bool = False
+    context_overflow: str = "error"  # its turns' default at the window: "error" or "slide"
+    dropped_tokens: int = 0  # history dropped by slides since creation or reset
+    # Non-empty once a slide moved the keys of its KV (kv/window.next_lineage):
+    # its history's chunk keys chain from it.
+    lineage: bytes = b""
     # KV of history[:kv_len] while parked, as consecutive chunks (complete ones
     # shared with the prefix index); None while a turn runs or after reset.
     kv: list[Any] | None = None
@@ -158,6 +164,7 @@ class SessionTable:
         idle_ttl_s: float | None = None,
         owner: str = "",
         metadata: dict[str, str] | None = None,
+        context_overflow: str = "error",
     ) -> Session:
         self.expire_idle()
         self._make_room()
@@ -171,7 +178,13 @@ class SessionTable:
             raise ValueError(f"idle_ttl_s must be > 0, got {ttl}")
         now = self._clock()
         session = Session(
-            secrets.token_hex(SESSION_ID_BYTES), now, now, ttl, owner, dict(metadata or {})
+            secrets.token_hex(SESSION_ID_BYTES),
+            now,
+            now,
+            ttl,
+            owner,
+            dict(metadata or {}),
+            context_overflow=context_overflow,
         )
         self._sessions[session.session_id] = session
         return session
@@ -252,6 +265,8 @@ class SessionTable:
         session.history = []
         session.turns = 0
         session.turn_ends = []
+        session.dropped_tokens = 0
+        session.lineage = b""
         session.last_used_at = self._clock()
         return session
 
@@ -305,8 +320,9 @@ class SessionTable:
         if parent.kv is not None and parent.kv_ready:
             kv, n = cut_chunks(parent.kv, min(parent.kv_len, end))
         parent.last_used_at = self._clock()  # a fork is a use
-        child = self.create(idle_ttl_s, owner, metadata)
+        child = self.create(idle_ttl_s, owner, metadata, parent.context_overflow)
         child.history, child.turn_ends = history, turn_ends
+        child.dropped_tokens, child.lineage = parent.dropped_tokens, parent.lineage
         child.turns = parent.turns if turns is None else turns
         if kv:
             child.kv, child.kv_len = kv, n
@@ -407,6 +423,8 @@ class SessionTable:
             busy=session.busy,
             metadata=dict(session.metadata),
             last_token_id=session.history[-1] if session.history else None,
+            context_overflow=session.context_overflow,
+            dropped_tokens=session.dropped_tokens,
         )
 
 
@@ -425,7 +443,15 @@ def history_end(session: Session, turns: int | None, history_tokens: int | None)
                 "turns: this session's turn boundaries were not recorded (it was saved by an "
                 "older server); give history_tokens instead"
             )
-        return session.turn_ends[turns - 1]
+        end = session.turn_ends[turns - 1]
+        if end == GONE:
+            held = [i + 1 for i, e in enumerate(session.turn_ends) if e != GONE]
+            earliest = f"turn {held[0]} is the earliest it holds" if held else "it holds none"
+            raise InvalidArgument(
+                f"turns: {turns} is no longer held; the session's context window slid past "
+                f"its end ({earliest}; 0 empties the history)"
+            )
+        return end
     if history_tokens is None:
         return len(session.history)
     if history_tokens > len(session.history):
@@ -434,6 +460,18 @@ def history_end(session: Session, turns: int | None, history_tokens: int | None)
             f"{len(session.history)} tokens"
         )
     return history_tokens
+
+
+def slide_turn_ends(turn_ends: list[int], slides: list[tuple[int, int]]) -> list[int]:
+    """Turn ends (history lengths) after ``slides`` (start, dropped): an end
+    past the dropped run moves down with it; one inside it or at its end is
+    ``GONE`` (that history is no longer held)."""
+    ends = list(turn_ends)
+    for start, drop in slides:
+        ends = [
+            e if e == GONE or e <= start else (e - drop if e > start + drop else GONE) for e in ends
+        ]
+    return ends
 
 
 def cut_chunks(chunks: builtins.list[KvLayers], n: int) -> tuple[builtins.list[KvLayers], int]:
@@ -504,8 +542,17 @@ def session_record(session: Session) -> bytes:
         "version": session.version,
         "metadata": session.metadata,
         "history": session.history,
+        "context_overflow": session.context_overflow,
+        "dropped_tokens": session.dropped_tokens,
+        "lineage": session.lineage.hex(),
     }
     return json.dumps(record).encode()
+
+
+def _overflow(value: object) -> str:
+    if value not in CONTEXT_OVERFLOWS:
+        raise ValueError(f"context_overflow {value!r}")
+    return str(value)
 
 
 def session_from_record(session_id: str, data: bytes, vocab_size: int) -> Session | None:
@@ -533,6 +580,9 @@ def session_from_record(session_id: str, data: bytes, vocab_size: int) -> Sessio
             turns=int(rec.get("turns", 0)),
             turn_ends=[int(e) for e in rec.get("turn_ends", [])],
             version=int(rec.get("version", 0)),
+            context_overflow=_overflow(rec.get("context_overflow", "error")),
+            dropped_tokens=int(rec.get("dropped_tokens", 0)),
+            lineage=bytes.fromhex(str(rec.get("lineage", ""))),
         )
     except (ValueError, KeyError, TypeError) as exc:
         log.warning("session_record_unreadable", error=str(exc))

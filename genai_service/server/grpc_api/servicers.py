@@ -229,7 +229,10 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         ttl = _idle_ttl(request)
         # Before anything reaches the engine (docs/design.md "Sessions").
         check_metadata(request.metadata, self.fe.engine.config.sessions)
-        info = await self.fe.engine.create_session(ttl, principal(), dict(request.metadata))
+        overflow = convert.context_overflow(request.context_overflow)
+        info = await self.fe.engine.create_session(
+            ttl, principal(), dict(request.metadata), overflow
+        )
         return session_pb2.CreateSessionResponse(session=convert.session(info))
 
     @rpc

@@ -32,10 +32,11 @@ from starlette.types import Receive, Scope, Send
 
 from genai_common import bounded_json
 from genai_common.errors import GenAIError, Internal, InvalidArgument, Unavailable
-from genai_common.metadata import SESSION_ID_HEADER
+from genai_common.metadata import CONTEXT_OVERFLOW_HEADER, SESSION_ID_HEADER
 
 from ...config import ServerConfig
 from ...contract.sessions import check_metadata
+from .. import convert
 from ..frontend import Frontend, bind_call, principal
 from . import openai_api, openai_reply
 
@@ -198,7 +199,8 @@ class HttpGateway:
         try:
             rid = self._admit(request, name)
             session_id = request.headers.get(SESSION_ID_HEADER, "")
-            call = openai_api.parse(kind, await self._body(request), session_id)
+            overflow = request.headers.get(CONTEXT_OVERFLOW_HEADER, "")
+            call = openai_api.parse(kind, await self._body(request), session_id, overflow)
             call.request.request_id = rid
             session = None
             if session_id:
@@ -298,6 +300,8 @@ class HttpGateway:
             "turns": info.turns,
             "idle_ttl_seconds": int(info.idle_ttl_s),
             "metadata": dict(info.metadata),
+            "context_overflow": info.context_overflow,
+            "dropped_tokens": info.dropped_tokens,
         }
 
     async def _session_call(self, request: Request, name: str, fn: Any) -> Response:
@@ -332,9 +336,17 @@ class HttpGateway:
 
     async def create_session(self, request: Request) -> Response:
         async def run() -> dict[str, Any]:
-            body = await self._object(request, ("idle_ttl_seconds", "metadata"))
+            body = await self._object(request, ("idle_ttl_seconds", "metadata", "context_overflow"))
             ttl, metadata = self._new_session_fields(body)
-            return self._session(await self.fe.engine.create_session(ttl, principal(), metadata))
+            mode = body.get("context_overflow")
+            overflow = None
+            if mode is not None:
+                if not isinstance(mode, str):
+                    shown = json.dumps(mode)[:80]
+                    raise InvalidArgument(f"context_overflow: {shown} is not a string")
+                overflow = convert.context_overflow(openai_api.context_overflow(mode))
+            info = await self.fe.engine.create_session(ttl, principal(), metadata, overflow)
+            return self._session(info)
 
         return await self._session_call(request, "CreateSession", run)
 

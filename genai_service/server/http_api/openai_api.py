@@ -75,6 +75,7 @@ _COMMON = {
     "include_stop_str_in_output",
     "cache_salt",
     "truncate_prompt_tokens",
+    "context_overflow",
 }
 _FIELDS = {
     CHAT: _COMMON
@@ -165,7 +166,18 @@ def _check_text(value: Any, path: str) -> None:
             _check_text(item, f"{path}[{i}]")
 
 
-def parse(kind: str, body: Any, session_id: str = "") -> Call:
+def context_overflow(value: str, where: str = "context_overflow") -> int:
+    """ "error" or "slide" as GenerateRequest.context_overflow; INVALID_ARGUMENT otherwise."""
+    values = {
+        "error": common_pb2.CONTEXT_OVERFLOW_ERROR,
+        "slide": common_pb2.CONTEXT_OVERFLOW_SLIDE,
+    }
+    if value not in values:
+        raise InvalidArgument(f"{where}: {value[:64]!r} is not allowed; allowed 'error', 'slide'")
+    return values[value]
+
+
+def parse(kind: str, body: Any, session_id: str = "", overflow: str = "") -> Call:
     """The GenerateRequest of an OpenAI ``/v1/chat/completions`` or
     ``/v1/completions`` body; INVALID_ARGUMENT naming the JSON field for an
     unknown or ill-typed field or an unsupported value."""
@@ -208,6 +220,11 @@ def parse(kind: str, body: Any, session_id: str = "") -> Call:
                 f"truncate_prompt_tokens: {keep} is out of range; allowed [1, 4294967295]"
             )
         request.truncate_prompt_tokens = keep
+    if overflow:  # the X-Context-Overflow header
+        request.context_overflow = context_overflow(overflow, "X-Context-Overflow")  # type: ignore[assignment]
+    mode = _string(body, "context_overflow")
+    if mode is not None:
+        request.context_overflow = context_overflow(mode)  # type: ignore[assignment]
     salt = _string(body, "cache_salt")
     if salt is not None:
         request.cache_salt = salt

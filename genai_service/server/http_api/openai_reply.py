@@ -95,12 +95,15 @@ def _rename(path: str, names: Mapping[str, str]) -> str:
 
 
 def usage(u: common_pb2.Usage) -> dict[str, Any]:
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     }
+    if u.dropped_tokens:  # truncate_prompt_tokens, context slides (not OpenAI's)
+        out["dropped_tokens"] = u.dropped_tokens
+    return out
 
 
 def finish_reason(final: generate_pb2.Final) -> str:
