@@ -315,11 +315,10 @@ class LLMEngine(InProcessDriver):
         drop = self.window.drop_for(n, keep_from)
         start = self.window.sinks_for(keep_from)
         held = min(self.runner.kv_len(seq.seq_id), seq.num_computed)
-        before = list(seq.token_ids) if self.slide_kv == "rotate" else []
         if self.slide_kv == "rotate" and held > start + drop:
             self.runner.shift(seq.seq_id, start, drop)
             seq.num_computed = held - drop
-            seq.lineage = next_lineage(seq.lineage, before, start, drop)
+            seq.lineage = next_lineage(seq.lineage, seq.token_ids, start, drop)  # before the drop
         else:
             # Recompute what is kept after the sinks (their KV never changes).
             if held > start:

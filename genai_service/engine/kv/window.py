@@ -57,7 +57,7 @@ class SlidePolicy:
         keep its tokens from ``keep_from`` on (a turn's new input, or the token
         about to be computed), so that it fits the window again."""
         drop = n - self.kept
-        sinks = min(self.sinks, keep_from)
+        sinks = self.sinks_for(keep_from)
         if sinks + drop > keep_from:
             drop = keep_from - sinks
         if n - drop >= self.window:
