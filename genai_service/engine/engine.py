@@ -653,6 +653,11 @@ class LLMEngine(InProcessDriver):
         if session.session_id in self.sessions:
             self.kv_reuse.park(seq, session)
         session.committing = False
+        for heir in session.heirs:
+            if heir.session_id in self.sessions:
+                self.kv_reuse.bequeath(seq, heir)
+            heir.committing = False
+        session.heirs = []
         self._retire(seq)
         dropped = self.sessions.trim_parked_kv(self.config.sessions.max_parked_kv_bytes)
         self.counters["session_kv_evicted"] += dropped
@@ -661,6 +666,9 @@ class LLMEngine(InProcessDriver):
         if seq.status is SeqStatus.COMMITTING:
             if seq.session is not None:
                 seq.session.committing = False
+                for heir in seq.session.heirs:  # their first turns recompute it
+                    heir.committing = False
+                seq.session.heirs = []
             self._retire(seq)
             return
         self._requests.pop(seq.request_id, None)

@@ -304,6 +304,17 @@ class KvReuse:
             self.store(seq)
             session.kv, session.kv_len = (self.snapshot(seq, h), h) if h else (None, 0)
 
+    def bequeath(self, seq: Sequence, heir: Session) -> None:
+        """Park with ``heir`` (a fork made while ``seq`` computed its parent's
+        last token) the KV of ``seq`` that the fork's history begins with."""
+        if heir.kv is not None or heir.busy:
+            return
+        n = min(self.runner.kv_len(seq.seq_id), len(heir.history))
+        tokens = seq.token_ids
+        common = next((i for i in range(n) if heir.history[i] != tokens[i]), n)
+        if common:
+            heir.kv, heir.kv_len = self.snapshot(seq, common), common
+
     def keep_history(self, seq: Sequence, session: Session) -> None:
         """An aborted turn leaves the history as it was: park its KV if ``seq``
         (running) has computed all of it."""

@@ -222,6 +222,32 @@ def test_a_rewind_right_after_a_turn_keeps_the_kv_of_the_prefix(tiny_model_dir: 
     assert turn(eng, sid, "t2", T2) == reference_greedy(tiny_model_dir, history[:6] + T2, 5)
 
 
+def test_a_fork_right_after_a_turn_gets_the_kv_of_the_last_token_too(
+    tiny_model_dir: Path,
+) -> None:
+    eng = engine(tiny_model_dir)
+    sid = eng.create_session().session_id
+    out = eng.generate(
+        GenerationRequest(
+            "t1",
+            tuple(T1),
+            stopping=StoppingCriteria(max_new_tokens=5, ignore_eos=True),
+            session_id=sid,
+        )
+    )
+    history = T1 + list(out.token_ids)
+    assert eng.sessions.get(sid).committing  # its last token's KV is computed next step
+    whole = eng.fork_session(sid).session_id
+    assert eng.sessions.get(whole).committing  # so the fork's first turn waits for it
+    while eng.has_unfinished():
+        eng.step()
+    child = eng.sessions.get(whole)
+    assert not child.committing and child.kv_len == len(history)
+    before = eng.counters["computed_tokens"]
+    assert turn(eng, whole, "f2", T2) == reference_greedy(tiny_model_dir, history + T2, 5)
+    assert eng.counters["computed_tokens"] - before == len(T2) + 4 + 1  # no re-prefill
+
+
 def test_a_fork_that_evicts_its_parent_keeps_the_kv() -> None:
     import numpy as np
 

@@ -80,7 +80,12 @@ class Session:
     kv: list[Any] | None = None
     kv_len: int = 0
     running_request_id: str | None = None  # the turn in flight (user-visible "busy")
-    committing: bool = False  # the last turn's final token is still being computed
+    # The last turn's final token is still being computed (for a fork made
+    # meanwhile: its parent's is, and its KV comes from there, ``heirs``).
+    committing: bool = False
+    # Forks made while this session was committing: they get their share of
+    # the KV once it is computed (``LLMEngine._park_session``).
+    heirs: list[Session] = field(default_factory=list)
 
     @property
     def busy(self) -> bool:
@@ -326,6 +331,11 @@ class SessionTable:
         child.turns = parent.turns if turns is None else turns
         if kv:
             child.kv, child.kv_len = kv, n
+        elif parent.committing:
+            # The parent's last token is computed this step: the child's first
+            # turn waits for that KV too, rather than recompute the history.
+            child.committing = True
+            parent.heirs.append(child)
         return child
 
     def close(self, session_id: str) -> Session:
