@@ -439,3 +439,47 @@ def test_a_masked_row_with_nothing_to_pick_keeps_to_its_mask(params: SamplingPar
 
     assert greedy_pick(logits[0], allowed) == 2
     assert greedy_pick(logits[1], np.zeros(6, dtype=bool)) == 1  # allows nothing: raw argmax
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    vocab=st.sampled_from([7, 300, 2048, 49152]),
+    top_k=st.sampled_from([0, 1, 2, 5, 50, 400]),
+    min_p=st.sampled_from([0.0, 0.01, 0.2]),
+    top_p=st.sampled_from([1.0, 0.9, 0.5, 0.05]),
+    temperature=st.sampled_from([0.3, 0.7, 1.0, 1.7]),
+    masked=st.sampled_from([0, 1, 3, 10_000]),
+)
+def test_the_one_row_path_draws_what_the_batched_path_draws(
+    seed: int,
+    vocab: int,
+    top_k: int,
+    min_p: float,
+    top_p: float,
+    temperature: float,
+    masked: int,
+) -> None:
+    """A step with few sampled rows takes them one by one (``_sample_cut_row``);
+    each must pick exactly the token of the batched form (and draw as much)."""
+    from genai_service.engine.sampling import sampler
+
+    gen = np.random.default_rng(seed)
+    logits = (gen.standard_normal((2, vocab)) * gen.uniform(0.5, 6.0)).astype(np.float32)
+    logits[:, gen.permutation(vocab)[: min(masked, vocab - 1)]] = -np.inf  # banned / masked
+    if gen.random() < 0.2:
+        logits[:, gen.integers(0, vocab, 3)] = logits[0].max()  # ties at the top
+    params = SamplingParams(
+        temperature=temperature, top_k=top_k or None, min_p=min_p or None, top_p=top_p
+    )
+
+    one_by_one = prepare([make_row(params, seed=seed + j) for j in range(2)])
+    batched = prepare([make_row(params, seed=seed + j) for j in range(2)])
+    for _ in range(3):  # the generators must advance alike too
+        a = sampler.sample(logits, one_by_one)
+        b = sampler._sample_rows(logits, logits, np.arange(2), batched)
+        assert a.token_ids.tolist() == b.tolist()
+    if top_k or min_p:  # (else the row path declines: nothing is cut)
+        assert sampler._sample_cut_row(logits, logits, 0, one_by_one) is not None or (
+            masked >= vocab - top_k
+        )

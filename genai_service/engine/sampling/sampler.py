@@ -46,6 +46,10 @@ from genai_service.contract.request import SamplingParams
 from . import sampler_kernels as kernels
 from .sampler_kernels import DRAW_BLOCK, NO_IDS, NO_VALS
 
+# Up to this many sampled rows a step takes them one by one where a cut-off
+# leaves a short list (``_sample_cut_row``); more go through the batched path.
+ROW_PATH_MAX_ROWS = 4
+
 
 @dataclass
 class SamplingRow:
@@ -250,7 +254,15 @@ def sample(logits: np.ndarray, args: SamplingArgs) -> SampleOutput:
             tokens[g] = tg
         s = np.flatnonzero(~greedy)
         if s.size:
-            tokens[s] = _sample_rows(raw, x, s, args)
+            rest = s
+            if s.size <= ROW_PATH_MAX_ROWS:
+                picked = [_sample_cut_row(raw, x, int(i), args) for i in s]
+                for i, token in zip(s, picked, strict=True):
+                    if token is not None:
+                        tokens[i] = token
+                rest = s[[token is None for token in picked]]
+            if rest.size:
+                tokens[rest] = _sample_rows(raw, x, rest, args)
         logprobs, top_ids, top_lps = _logprobs(raw, tokens, args)
     return SampleOutput(tokens, logprobs, top_ids, top_lps)
 
@@ -376,6 +388,91 @@ def _sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingAr
     if not ok.all():
         out[~ok] = fallback_tokens(raw, s[~ok], args)
     return out
+
+
+def _sample_cut_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) -> int | None:
+    """``_sample_rows`` for the one row ``i`` when a cut-off (top-k, min-p)
+    leaves it a short candidate list: the same float32 and float64 operations
+    on the same values in the same order, so the same token, with a fraction
+    of the numpy calls (at batch 1 the batched form is mostly call overhead).
+    None, before drawing anything, for a row it does not handle (nothing cut:
+    the whole vocabulary; ``_sample_rows`` then takes it)."""
+    v = x.shape[1]
+    k = int(args.top_k[i])
+    min_p = args.min_p[i]
+    top_k = 0 < k < v
+    if not top_k and not min_p > 0:
+        return None
+    row = x[i]
+    t = args.temperature[i]
+    heads = kernels.group_heads(row[None], args.top_k[i : i + 1])[0] if top_k else row
+    m = heads.max() / t
+    if not np.isfinite(m):  # everything masked (or NaN/inf): the raw argmax, after the draw
+        args.rngs[i].random()
+        return int(fallback_tokens(raw, np.array([i]), args)[0])
+    floor = m + np.log(min_p) if min_p > 0 else np.float32(-np.inf)
+    if top_k:
+        h = heads.shape[0]
+        bound = np.partition(heads, h - k)[h - k :].min()
+        cols = np.flatnonzero(row >= kernels.float32_below(np.float64(bound)))
+        if cols.size < k:
+            return None  # NaN in the row
+        vals = row[cols]
+        kth = -np.partition(-vals, k - 1)[k - 1]  # the k-th largest, as sorted_desc ranks
+        floor = max(floor, kth / t)
+        if not np.isfinite(floor):
+            return None  # fewer than k finite logits: nothing is cut
+    else:
+        cols = np.flatnonzero(row >= kernels.float32_below(np.float64(floor) * np.float64(t)))
+        vals = row[cols]
+    xt = vals / t
+    on = xt >= floor
+    e = np.exp(xt[on] - m)
+    cols = cols[on]
+    on = e > 0
+    cols, e = cols[on], e[on]
+
+    nb = -(-v // DRAW_BLOCK)
+    blocks = _row_block_sums(cols, e, v, nb)
+    cum = np.zeros(nb + 1)
+    np.cumsum(blocks, dtype=np.float64, out=cum[1:])
+    top_p = args.top_p[i]
+    if top_p < 1.0 and e.size:
+        # kernels.nucleus on one row: most likely first, the first prefix
+        # whose float64 running mass reaches the target sets the floor.
+        desc = -np.sort(-e)
+        reached = np.cumsum(desc, dtype=np.float64) >= top_p * cum[-1]
+        if reached.any():
+            keep = e >= desc[reached.argmax()]
+            if not keep.all():
+                cols, e = cols[keep], e[keep]
+                blocks = _row_block_sums(cols, e, v, nb)
+                np.cumsum(blocks, dtype=np.float64, out=cum[1:])
+
+    u = args.rngs[i].random()  # exactly one per row per step
+    total = cum[-1]
+    if not total > 0:
+        return int(fallback_tokens(raw, np.array([i]), args)[0])
+    goal = u * total
+    b = min(int(np.count_nonzero(cum[1:] <= goal)), nb - 1)
+    if blocks[b] <= 0:  # rounding at the very top: the last block with mass
+        with_mass = np.flatnonzero(blocks[: b + 1] > 0)
+        b = int(with_mass[-1]) if with_mass.size else 0
+    goal -= cum[b]
+    part = np.zeros(DRAW_BLOCK, dtype=np.float32)
+    on = cols // DRAW_BLOCK == b
+    part[cols[on] % DRAW_BLOCK] = e[on]
+    j = int(np.count_nonzero(np.cumsum(part, dtype=np.float64) <= goal))
+    if j >= DRAW_BLOCK:  # rounding: the block's last token with mass
+        j = int(np.flatnonzero(part)[-1])
+    return b * DRAW_BLOCK + j
+
+
+def _row_block_sums(cols: np.ndarray, e: np.ndarray, v: int, nb: int) -> np.ndarray:
+    """``kernels.set_block_sums`` of one row's candidates into fresh [nb] blocks."""
+    blocks = np.zeros((1, nb), dtype=np.float32)
+    kernels.set_block_sums(blocks, np.zeros(cols.size, dtype=np.int64), cols, e, v)
+    return blocks[0]
 
 
 def first_allowed(row: np.ndarray, allowed: np.ndarray) -> int:
