@@ -414,7 +414,7 @@ def _sample_cut_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) 
     if top_k:
         h = heads.shape[0]
         bound = np.partition(heads, h - k)[h - k :].min()
-        cols = np.flatnonzero(row >= kernels.float32_below(np.float64(bound)))
+        cols = np.flatnonzero(row >= kernels.float32_below(np.asarray(bound, dtype=np.float64)))
         if cols.size < k:
             return None  # NaN in the row
         vals = row[cols]
@@ -423,7 +423,9 @@ def _sample_cut_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) 
         if not np.isfinite(floor):
             return None  # fewer than k finite logits: nothing is cut
     else:
-        cols = np.flatnonzero(row >= kernels.float32_below(np.float64(floor) * np.float64(t)))
+        cols = np.flatnonzero(
+            row >= kernels.float32_below(np.asarray(floor, dtype=np.float64) * np.float64(t))
+        )
         vals = row[cols]
     xt = vals / t
     on = xt >= floor
