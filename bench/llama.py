@@ -10,7 +10,7 @@ Nothing here builds llama.cpp; without a binary the section is skipped.
 
 Sampling maps onto llama-server's fields with its other samplers off
 (``min_p`` 0, whose default is 0.05) and the repetition penalty over the whole
-context (``repeat_last_n`` -1), as ours applies it; EOS is ignored.
+context (``repeat_last_n`` = prompt + new tokens), as ours applies it; EOS is ignored.
 """
 
 from __future__ import annotations
@@ -46,7 +46,9 @@ def completion_body(ids: Sequence[int], new_tokens: int, sampling: dict | None) 
         "top_k": 0,
         "top_p": 1.0,
         "repeat_penalty": 1.0,
-        "repeat_last_n": -1,
+        # The whole context, as ours applies the penalty (a current llama.cpp
+        # refuses -1, which once meant that: it wants 0 <= n).
+        "repeat_last_n": len(ids) + new_tokens,
     }
     if not sampling:
         body["temperature"] = 0.0  # llama-server: greedy

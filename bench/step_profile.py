@@ -29,13 +29,16 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 from genai_service.config import EngineConfig, RunnerConfig, SchedulerConfig
 from genai_service.contract.protocol import Outputs
-from genai_service.contract.request import GenerationRequest, StoppingCriteria
+from genai_service.contract.request import GenerationRequest, SamplingParams, StoppingCriteria
 from genai_service.engine.engine import LLMEngine
 from genai_service.engine.text import detokenizer, stops, text_output
+
+from .workload import SAMPLINGS
 
 
 class Probes:
@@ -91,14 +94,19 @@ def _engine(model_dir: str, threads: int) -> LLMEngine:
     )
 
 
-def _start(engine: LLMEngine, batch: int, new_tokens: int, tag: str) -> None:
-    """``batch`` greedy streams of a 64-token prompt, stepped until all decode."""
+def _start(
+    engine: LLMEngine, batch: int, new_tokens: int, tag: str, sampling: str = "greedy"
+) -> None:
+    """``batch`` streams of a 64-token prompt (``sampling``: a key of
+    ``workload.SAMPLINGS``), stepped until all decode."""
+    params = SamplingParams(**SAMPLINGS[sampling].params())
     for i in range(batch):
         prompt = tuple(100 + (7 * i + j) % 5000 for j in range(64))
         engine.add_request(
             GenerationRequest(
                 f"{tag}-{i}",
                 prompt,
+                sampling=replace(params, seed=i) if not params.greedy else params,
                 stopping=StoppingCriteria(max_new_tokens=new_tokens, ignore_eos=True),
             )
         )
@@ -122,6 +130,7 @@ def measure(
     send: Callable[[Any], None],
     probed: bool,
     clock: Callable[[], float] = time.thread_time,
+    sampling: str = "greedy",
 ) -> list[dict[str, float]]:
     """Per-step stage times (seconds, on ``clock``) of ``steps`` steady decode steps."""
     probes = Probes(clock)
@@ -156,7 +165,7 @@ def measure(
         for cls, attr, name in classes:
             saved[(cls, attr)] = vars(cls).get(attr)
             probes.wrap(cls, attr, name)
-    _start(engine, batch, steps + 50, f"b{batch}-{probed}")
+    _start(engine, batch, steps + 50, f"b{batch}-{probed}", sampling)
     rows = []
     try:
         for _ in range(steps):
@@ -295,6 +304,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=2, help="bare/probed pairs per batch")
+    parser.add_argument("--sampling", default="greedy", choices=sorted(SAMPLINGS))
     parser.add_argument(
         "--no-ort",
         action="store_true",
@@ -314,8 +324,12 @@ def main() -> None:
             bare: list[dict[str, float]] = []
             probed: list[dict[str, float]] = []
             for _ in range(args.reps):  # interleaved, so drift hits both alike
-                bare += measure(engine, batch, args.steps, writer.send, probed=False)
-                probed += measure(engine, batch, args.steps, writer.send, probed=True)
+                bare += measure(
+                    engine, batch, args.steps, writer.send, False, sampling=args.sampling
+                )
+                probed += measure(
+                    engine, batch, args.steps, writer.send, True, sampling=args.sampling
+                )
             report(batch, bare, probed)
     finally:
         writer.send_bytes(b"")

@@ -243,6 +243,8 @@ def test_completion_body_maps_sampling_onto_llama_server_fields() -> None:
     assert (body["temperature"], body["top_p"], body["top_k"]) == (0.7, 0.9, 50)
     assert (body["repeat_penalty"], body["seed"], body["min_p"]) == (1.1, 3, 0.0)
     assert "repetition_penalty" not in body
+    # the penalty's window: the whole context (a current llama-server refuses -1)
+    assert body["repeat_last_n"] == 1 + 8
 
 
 def test_parse_events_counts_tokens_but_not_the_final_summary() -> None:
