@@ -547,8 +547,11 @@ class Bench:
         cpu = {"ours": self._server_cpu(), "llama": {"llama": [llama.proc.pid]}}
         prompt_len, conc_new = plan.shapes[0]
         streams = min(max(plan.concurrency), SLOTS)
+        # The fewer-stream rows (1-4 users: most CPU deployments) below the top one.
+        fewer = sorted({min(n, SLOTS) for n in plan.concurrency} - {streams})
         single: dict[str, dict[str, dict[str, list[dict]]]] = {}
         conc: dict[str, dict[str, list[dict]]] = {}
+        levels: dict[str, dict[str, dict[str, list[dict]]]] = {}
         try:
             llama.single(self.workload.warmup, 8)
 
@@ -588,15 +591,17 @@ class Bench:
                         for name, result in results.items():
                             by = single.setdefault(sampling, {}).setdefault(name, {})
                             by.setdefault(str(length), []).append(result)
-                for sampling in plan.concurrency_samplings:
-                    results = self._rep(
-                        f"llama-server {streams} streams {sampling} rep {rep}",
-                        [self.source.take(prompt_len) for _ in range(streams)],
-                        lambda: [self.source.take(prompt_len) for _ in range(streams)],
-                        functools.partial(run_conc, sampling=sampling),
-                    )
-                    for name, result in results.items():
-                        conc.setdefault(sampling, {}).setdefault(name, []).append(result)
+                for n in [*fewer, streams]:
+                    for sampling in plan.concurrency_samplings:
+                        results = self._rep(
+                            f"llama-server {n} streams {sampling} rep {rep}",
+                            [self.source.take(prompt_len) for _ in range(n)],
+                            lambda n=n: [self.source.take(prompt_len) for _ in range(n)],
+                            functools.partial(run_conc, sampling=sampling),
+                        )
+                        by = conc if n == streams else levels.setdefault(str(n), {})
+                        for name, result in results.items():
+                            by.setdefault(sampling, {}).setdefault(name, []).append(result)
                 log.info("llama-server", rep=rep)
         finally:
             rss = llama.stop()
@@ -617,6 +622,15 @@ class Bench:
                 "samplings": {
                     m: {e: _summary(v, ckeys) for e, v in by.items()} for m, by in conc.items()
                 },
+            },
+            # The same shape at fewer streams: {streams: {"samplings": ...}}.
+            "fewer_streams": {
+                n: {
+                    "samplings": {
+                        m: {e: _summary(v, ckeys) for e, v in by.items()} for m, by in lv.items()
+                    }
+                }
+                for n, lv in levels.items()
             },
             "rss": rss,
         }
