@@ -654,9 +654,9 @@ class LLMEngine(InProcessDriver):
             self.kv_reuse.park(seq, session)
         session.committing = False
         for heir in session.heirs:
-            if heir.session_id in self.sessions:
-                self.kv_reuse.bequeath(seq, heir)
-            heir.committing = False
+            if self.sessions.find(heir.session_id) is heir:
+                self.kv_reuse.bequeath(seq, session, heir)
+            heir.committing, heir.heir_of = False, None
         session.heirs = []
         self._retire(seq)
         dropped = self.sessions.trim_parked_kv(self.config.sessions.max_parked_kv_bytes)
@@ -667,7 +667,7 @@ class LLMEngine(InProcessDriver):
             if seq.session is not None:
                 seq.session.committing = False
                 for heir in seq.session.heirs:  # their first turns recompute it
-                    heir.committing = False
+                    heir.committing, heir.heir_of = False, None
                 seq.session.heirs = []
             self._retire(seq)
             return

@@ -35,6 +35,7 @@ from .kv.kv_connector import GrpcKvChunkStore
 from .kv.kv_integrity import KvIntegrity
 from .kv.prefix_cache import PrefixIndex, chunk_keys, make_namespace, scoped_namespace
 from .sequence import SeqStatus
+from .sessions.sessions import cut_chunks
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
@@ -304,15 +305,24 @@ class KvReuse:
             self.store(seq)
             session.kv, session.kv_len = (self.snapshot(seq, h), h) if h else (None, 0)
 
-    def bequeath(self, seq: Sequence, heir: Session) -> None:
-        """Park with ``heir`` (a fork made while ``seq`` computed its parent's
-        last token) the KV of ``seq`` that the fork's history begins with."""
-        if heir.kv is not None or heir.busy:
+    def bequeath(self, seq: Sequence, session: Session, heir: Session) -> None:
+        """Park with ``heir`` (a fork made while ``seq`` computed ``session``'s
+        last token) the KV of ``seq`` that the fork's history begins with: the
+        session's own parked chunks where they cover it (shared, not copied).
+        (A turn already queued on the heir has attached nothing: it waited.)"""
+        if heir.kv is not None:
             return
         n = min(self.runner.kv_len(seq.seq_id), len(heir.history))
         tokens = seq.token_ids
-        common = next((i for i in range(n) if heir.history[i] != tokens[i]), n)
-        if common:
+        if heir.history[:n] == tokens[:n]:
+            common = n
+        else:
+            common = next(i for i in range(n) if heir.history[i] != tokens[i])
+        if not common:
+            return
+        if session.kv is not None and common <= session.kv_len:
+            heir.kv, heir.kv_len = cut_chunks(session.kv, common)
+        else:
             heir.kv, heir.kv_len = self.snapshot(seq, common), common
 
     def keep_history(self, seq: Sequence, session: Session) -> None:

@@ -243,9 +243,50 @@ def test_a_fork_right_after_a_turn_gets_the_kv_of_the_last_token_too(
         eng.step()
     child = eng.sessions.get(whole)
     assert not child.committing and child.kv_len == len(history)
+    parent_kv = eng.sessions.get(sid).kv
+    assert parent_kv is not None and child.kv is not None
+    assert all(a is b for a, b in zip(child.kv, parent_kv, strict=True))  # shared, not copied
     before = eng.counters["computed_tokens"]
     assert turn(eng, whole, "f2", T2) == reference_greedy(tiny_model_dir, history + T2, 5)
     assert eng.counters["computed_tokens"] - before == len(T2) + 4 + 1  # no re-prefill
+
+
+def test_forks_of_a_fork_and_a_turn_queued_before_the_commit_get_the_kv(
+    tiny_model_dir: Path,
+) -> None:
+    eng = engine(tiny_model_dir)
+    sid = eng.create_session().session_id
+    out = eng.generate(
+        GenerationRequest(
+            "t1",
+            tuple(T1),
+            stopping=StoppingCriteria(max_new_tokens=5, ignore_eos=True),
+            session_id=sid,
+        )
+    )
+    history = T1 + list(out.token_ids)
+    assert eng.sessions.get(sid).committing
+    child = eng.fork_session(sid).session_id
+    grandchild = eng.fork_session(child).session_id  # its parent awaits the KV itself
+    assert eng.sessions.get(grandchild).committing
+    # a turn on the child queued before the commit step (as one pipe read may do)
+    request = GenerationRequest(
+        "c2",
+        tuple(T2),
+        stopping=StoppingCriteria(max_new_tokens=5, ignore_eos=True),
+        session_id=child,
+    )
+    before = eng.counters["computed_tokens"]
+    result = eng.generate(request)  # steps until done: the commit first, then the turn
+    assert list(result.token_ids) == reference_greedy(tiny_model_dir, history + T2, 5)
+    assert result.usage.cached_tokens == len(history)
+    # the parent's commit (1), the child's input and its decodes: no re-prefill
+    assert eng.counters["computed_tokens"] - before == 1 + len(T2) + 4
+    while eng.has_unfinished():
+        eng.step()
+    g = eng.sessions.get(grandchild)
+    assert not g.committing and g.kv_len == len(history)
+    assert turn(eng, grandchild, "g2", T3) == reference_greedy(tiny_model_dir, history + T3, 5)
 
 
 def test_a_fork_that_evicts_its_parent_keeps_the_kv() -> None:

@@ -83,9 +83,10 @@ class Session:
     # The last turn's final token is still being computed (for a fork made
     # meanwhile: its parent's is, and its KV comes from there, ``heirs``).
     committing: bool = False
-    # Forks made while this session was committing: they get their share of
-    # the KV once it is computed (``LLMEngine._park_session``).
+    # Forks made while this session was committing (forks of those forks too):
+    # they get their share of the KV once it is computed (``LLMEngine._park_session``).
     heirs: list[Session] = field(default_factory=list)
+    heir_of: Session | None = None  # the committing session whose KV this one awaits
 
     @property
     def busy(self) -> bool:
@@ -332,10 +333,12 @@ class SessionTable:
         if kv:
             child.kv, child.kv_len = kv, n
         elif parent.committing:
-            # The parent's last token is computed this step: the child's first
-            # turn waits for that KV too, rather than recompute the history.
-            child.committing = True
-            parent.heirs.append(child)
+            # The parent's last token is computed this step (or, for a fork
+            # still waiting itself, its source's): the child's first turn
+            # waits for that KV too, rather than recompute the history.
+            source = parent.heir_of or parent
+            child.committing, child.heir_of = True, source
+            source.heirs.append(child)
         return child
 
     def close(self, session_id: str) -> Session:
