@@ -449,7 +449,9 @@ def test_a_masked_row_with_nothing_to_pick_keeps_to_its_mask(params: SamplingPar
     min_p=st.sampled_from([0.0, 0.01, 0.2]),
     top_p=st.sampled_from([1.0, 0.9, 0.5, 0.05]),
     temperature=st.sampled_from([0.3, 0.7, 1.0, 1.7]),
-    masked=st.sampled_from([0, 1, 3, 10_000]),
+    masked=st.sampled_from([0, 1, 3, 10_000, 10**9]),
+    batch=st.integers(1, 4),
+    repetition=st.sampled_from([None, 1.3]),
 )
 def test_the_one_row_path_draws_what_the_batched_path_draws(
     seed: int,
@@ -459,27 +461,47 @@ def test_the_one_row_path_draws_what_the_batched_path_draws(
     top_p: float,
     temperature: float,
     masked: int,
+    batch: int,
+    repetition: float | None,
 ) -> None:
     """A step with few sampled rows takes them one by one (``_sample_cut_row``);
-    each must pick exactly the token of the batched form (and draw as much)."""
+    each must pick exactly the token of the batched form (and draw as much).
+    Row 0 has the drawn parameters; the others vary them (greedy and dense
+    rows among them), so handled and declined rows mix in one step."""
     from genai_service.engine.sampling import sampler
 
     gen = np.random.default_rng(seed)
-    logits = (gen.standard_normal((2, vocab)) * gen.uniform(0.5, 6.0)).astype(np.float32)
-    logits[:, gen.permutation(vocab)[: min(masked, vocab - 1)]] = -np.inf  # banned / masked
+    logits = (gen.standard_normal((batch, vocab)) * gen.uniform(0.5, 6.0)).astype(np.float32)
+    # banned / masked; 10**9: every token (the raw-argmax fallback)
+    logits[:, gen.permutation(vocab)[: min(masked, vocab)]] = -np.inf
     if gen.random() < 0.2:
         logits[:, gen.integers(0, vocab, 3)] = logits[0].max()  # ties at the top
-    params = SamplingParams(
-        temperature=temperature, top_k=top_k or None, min_p=min_p or None, top_p=top_p
-    )
+    params = [
+        SamplingParams(
+            temperature=temperature,
+            top_k=top_k or None,
+            min_p=min_p or None,
+            top_p=top_p,
+            repetition_penalty=repetition,
+        ),
+        SamplingParams(),  # greedy
+        SamplingParams(temperature=temperature, top_p=top_p),  # dense: nothing cut
+        SamplingParams(temperature=1.0, top_k=3, min_p=0.05),
+    ][:batch]
+    history = gen.integers(0, vocab, 20).tolist()
 
-    one_by_one = prepare([make_row(params, seed=seed + j) for j in range(2)])
-    batched = prepare([make_row(params, seed=seed + j) for j in range(2)])
+    def rows() -> list[SamplingRow]:
+        return [
+            make_row(p, seed=seed + j, prompt=history[:10], output=history[10:])
+            for j, p in enumerate(params)
+        ]
+
+    one_by_one, batched = prepare(rows()), prepare(rows())
+    s = np.flatnonzero(batched.temperature > 0)
     for _ in range(3):  # the generators must advance alike too
         a = sampler.sample(logits, one_by_one)
-        b = sampler._sample_rows(logits, logits, np.arange(2), batched)
-        assert a.token_ids.tolist() == b.tolist()
-    if top_k or min_p:  # (else the row path declines: nothing is cut)
-        assert sampler._sample_cut_row(logits, logits, 0, one_by_one) is not None or (
-            masked >= vocab - top_k
-        )
+        x = sampler.penalize(logits, batched)
+        b = sampler._sample_rows(logits, x, s, batched)
+        assert a.token_ids[s].tolist() == b.tolist()
+    if (top_k or min_p) and masked < vocab - top_k:  # (else it declines: nothing is cut)
+        assert sampler._sample_cut_row(logits, logits, 0, one_by_one) is not None
