@@ -57,6 +57,21 @@ def turn(
     return list(out.token_ids)
 
 
+def turn_left_committing(eng: LLMEngine, sid: str) -> list[int]:
+    """A first turn (T1, 5 tokens) run until its output is final but not one
+    step further: its last token's KV is computed next step. The history."""
+    out = eng.generate(
+        GenerationRequest(
+            "t1",
+            tuple(T1),
+            stopping=StoppingCriteria(max_new_tokens=5, ignore_eos=True),
+            session_id=sid,
+        )
+    )
+    assert eng.sessions.get(sid).committing  # its last token's KV is computed next step
+    return T1 + list(out.token_ids)
+
+
 def test_rewind_to_a_turn_then_a_turn_equals_a_session_that_only_had_those_turns(
     tiny_model_dir: Path,
 ) -> None:
@@ -203,16 +218,7 @@ def test_turn_boundaries_round_trip_through_the_record() -> None:
 def test_a_rewind_right_after_a_turn_keeps_the_kv_of_the_prefix(tiny_model_dir: Path) -> None:
     eng = engine(tiny_model_dir)
     sid = eng.create_session().session_id
-    out = eng.generate(
-        GenerationRequest(
-            "t1",
-            tuple(T1),
-            stopping=StoppingCriteria(max_new_tokens=5, ignore_eos=True),
-            session_id=sid,
-        )
-    )
-    history = T1 + list(out.token_ids)
-    assert eng.sessions.get(sid).committing  # its last token's KV is computed next step
+    history = turn_left_committing(eng, sid)
     assert eng.rewind_session(sid, history_tokens=6).history_tokens == 6
     while eng.has_unfinished():
         eng.step()
@@ -227,16 +233,7 @@ def test_a_fork_right_after_a_turn_gets_the_kv_of_the_last_token_too(
 ) -> None:
     eng = engine(tiny_model_dir)
     sid = eng.create_session().session_id
-    out = eng.generate(
-        GenerationRequest(
-            "t1",
-            tuple(T1),
-            stopping=StoppingCriteria(max_new_tokens=5, ignore_eos=True),
-            session_id=sid,
-        )
-    )
-    history = T1 + list(out.token_ids)
-    assert eng.sessions.get(sid).committing  # its last token's KV is computed next step
+    history = turn_left_committing(eng, sid)
     whole = eng.fork_session(sid).session_id
     assert eng.sessions.get(whole).committing  # so the fork's first turn waits for it
     while eng.has_unfinished():
@@ -256,16 +253,7 @@ def test_forks_of_a_fork_and_a_turn_queued_before_the_commit_get_the_kv(
 ) -> None:
     eng = engine(tiny_model_dir)
     sid = eng.create_session().session_id
-    out = eng.generate(
-        GenerationRequest(
-            "t1",
-            tuple(T1),
-            stopping=StoppingCriteria(max_new_tokens=5, ignore_eos=True),
-            session_id=sid,
-        )
-    )
-    history = T1 + list(out.token_ids)
-    assert eng.sessions.get(sid).committing
+    history = turn_left_committing(eng, sid)
     child = eng.fork_session(sid).session_id
     grandchild = eng.fork_session(child).session_id  # its parent awaits the KV itself
     assert eng.sessions.get(grandchild).committing
