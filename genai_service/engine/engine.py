@@ -121,6 +121,7 @@ class LLMEngine(InProcessDriver):
             timeout_s=self._kvstore_timeout_s,
             counters=self.counters,
             max_fetches=config.sessions.max_record_fetches,
+            record_wait_s=config.kvstore.record_wait_s if config.kvstore else 0.0,
         )
         self.restores = self.session_calls.restores
         # Final outputs of session turns wait for their record to land in the kvstore.
@@ -367,6 +368,7 @@ class LLMEngine(InProcessDriver):
             bool(
                 self._pending
                 or self._held
+                or self.session_calls.holding
                 or self.kv_reuse.finished
                 or self.restores
                 or self._compiling
@@ -425,7 +427,7 @@ class LLMEngine(InProcessDriver):
         owner: str = "",
         metadata: dict[str, str] | None = None,
         context_overflow: str | None = None,
-    ) -> SessionInfo:
+    ) -> SessionInfo | PendingCall:
         overflow = context_overflow or self.config.context.overflow
         if overflow == "slide" and self.window is None:
             raise InvalidArgument(
@@ -481,6 +483,7 @@ class LLMEngine(InProcessDriver):
         outputs, self._pending = self._pending, []
         if self._held is not None:
             outputs.extend(self._held.release())
+        self.session_calls.release_answers()
         stored = self._store_finished()
         self._expire()
         return outputs, stored

@@ -151,7 +151,7 @@ def test_a_rewritten_session_record_is_not_a_takeover(
     secret, Put with replace) at its public key and at its real one; after a
     restart the session is NOT_FOUND for him, never his."""
     a = engine(tiny_model_dir, kvstore.target)
-    sid = a.create_session(owner="alice").session_id
+    sid = a.wait(a.create_session(owner="alice")).session_id
     a.generate(
         greedy("t1", encode_words("hello , who are you ?"), session_id=sid, principal="alice")
     )
@@ -196,7 +196,7 @@ def test_replicas_share_kv_and_sessions_only_under_one_secret(
     cold = reference_greedy(tiny_model_dir, prompt, 6)
     a = engine(tiny_model_dir, kvstore.target, SECRET_A)
     assert list(a.generate(greedy("a", prompt)).token_ids) == cold
-    sid = a.create_session().session_id
+    sid = a.wait(a.create_session()).session_id
     t1 = a.generate(greedy("a1", encode_words("hello , who are you ?"), session_id=sid))
     assert a.remote is not None and a.remote.flush(10)
 
@@ -253,7 +253,7 @@ def test_prefix_cache_scope(tiny_model_dir: Path, scope: str, bob_cached: int) -
 
 def test_a_session_turn_uses_its_owners_scope(tiny_model_dir: Path) -> None:
     eng = engine(tiny_model_dir, scope="principal")
-    sid = eng.create_session(owner="alice").session_id
+    sid = eng.wait(eng.create_session(owner="alice")).session_id
     t1 = eng.generate(greedy("t1", PROMPT, session_id=sid, principal="alice"))
     history = PROMPT + list(t1.token_ids)
     later = encode_words("and then ?")

@@ -123,6 +123,46 @@ def test_kv_round_trips_through_a_kvstore_on_mtls(tiny_model_dir: Path, pki: Pat
         kv.stop()
 
 
+def test_session_calls_answer_once_their_record_is_visible(
+    tiny_model_dir: Path, kvstore: KvStoreProcess
+) -> None:
+    """Create, fork, rewind and reset answer only after the changed session's
+    record has landed in the kvstore (as a turn's final output does), so the
+    next call may go to any replica; another engine finds it at once."""
+    a = make_engine(tiny_model_dir, kvstore.target)
+    b = make_engine(tiny_model_dir, kvstore.target)
+    assert a.remote is not None
+    try:
+
+        def visible(sid: str) -> bool:
+            return not a.remote.record_pending(a.session_calls.record_key(sid))  # type: ignore[union-attr]
+
+        sid = a.wait(a.create_session()).session_id
+        assert visible(sid)
+        a.generate(
+            dataclasses.replace(
+                greedy("t1", encode_words("hello , who are you ?"), 5), session_id=sid
+            )
+        )
+        fork = a.wait(a.fork_session(sid)).session_id
+        assert visible(fork)
+        assert (
+            b.wait(b.get_session(fork)).history_tokens == a.wait(a.get_session(sid)).history_tokens
+        )
+        assert a.wait(a.rewind_session(sid, turns=0)).history_tokens == 0
+        assert visible(sid) and b.wait(b.get_session(sid)).history_tokens == 0
+        a.wait(a.reset_session(fork))
+        # (B's copy of the fork was vouched for by its GetSession just now: ask C)
+        c = make_engine(tiny_model_dir, kvstore.target)
+        try:
+            assert visible(fork) and c.wait(c.get_session(fork)).turns == 0
+        finally:
+            c.close()
+    finally:
+        a.close()
+        b.close()
+
+
 def test_session_migrates_between_engines(tiny_model_dir: Path, kvstore: KvStoreProcess) -> None:
     t1 = encode_words("hello , who are you ?")
     t2 = encode_words("what is the time now ?")
@@ -136,7 +176,7 @@ def test_session_migrates_between_engines(tiny_model_dir: Path, kvstore: KvStore
 
     a = make_engine(tiny_model_dir, kvstore.target)
     b = make_engine(tiny_model_dir, kvstore.target)
-    sid = a.create_session().session_id
+    sid = a.wait(a.create_session()).session_id
     a1 = a.generate(dataclasses.replace(greedy("a1", t1, 7), session_id=sid))
     # The record lands before the answer; the history's chunks are pushed in the
     # background just after it. Wait for them so the reuse below is exact.
@@ -176,10 +216,12 @@ def test_evicted_session_is_restored_from_its_record(
             kvstore=kvstore.config(),
         )
     )
-    first = eng.create_session().session_id
+    first = eng.wait(eng.create_session()).session_id
     t1 = encode_words("the cat sat on the mat")
     r1 = eng.generate(dataclasses.replace(greedy("x1", t1, 5), session_id=first))
-    second = eng.create_session().session_id  # table full: the idle first session is evicted
+    second = eng.wait(
+        eng.create_session()
+    ).session_id  # table full: the idle first session is evicted
     assert eng.sessions.evicted == 1 and second in eng.sessions and first not in eng.sessions
     eng.remote.flush(10)  # type: ignore[union-attr]
     t2 = encode_words("and the dog ?")

@@ -18,6 +18,7 @@ Plain Python: futures from the ``KvChunkStore``, no network here.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -266,10 +267,16 @@ class SessionCalls:
         timeout_s: float,
         counters: Counter[str],
         max_fetches: int,
+        record_wait_s: float = 1.0,
     ) -> None:
         self.table = table
         self.remote = remote
         self._abort = abort  # the engine's: closing a session cancels its running turn
+        # Answers of calls that changed a session, held (as a turn's final
+        # output is, HeldOutputs) until its record is visible to every replica
+        # or ``record_wait_s`` has passed: (record key, give-up time, answer, value).
+        self.record_wait_s = record_wait_s
+        self._held: list[tuple[bytes, float, PendingCall, SessionInfo]] = []
         self.restores = (
             SessionRestores(
                 remote, table, vocab_size, timeout_s, counters, self.record_key, max_fetches
@@ -281,6 +288,49 @@ class SessionCalls:
     def record_key(self, session_id: str) -> bytes:
         assert self.remote is not None  # records live in the kvstore
         return record_key(session_id, self.remote.integrity.key_id)
+
+    @property
+    def holding(self) -> bool:
+        """Answers wait for their session's record (``release_answers``)."""
+        return bool(self._held)
+
+    def release_answers(self) -> None:
+        """Resolve the held answers whose record has landed (or waited long enough)."""
+        if not self._held:
+            return
+        assert self.remote is not None
+        now = time.monotonic()
+        waiting = []
+        for key, give_up, pending, info in self._held:
+            if not self.remote.record_pending(key) or now >= give_up:
+                pending.resolve(functools.partial(_same, info))
+            else:
+                waiting.append((key, give_up, pending, info))
+        self._held = waiting
+
+    def _when_saved(self, result: SessionInfo | PendingCall) -> SessionInfo | PendingCall:
+        """``result`` (a changed session's info, or the call waiting for it)
+        answered only once the session's record is visible in the kvstore, so
+        the caller's next call may go to any replica."""
+        if self.remote is None:
+            return result
+        answer = PendingCall()
+
+        def hold(ok: bool, value: Any) -> None:
+            if not ok:
+                answer.resolve(lambda: _raise(value))
+                return
+            key = self.record_key(value.session_id)
+            if self.remote is None or not self.remote.record_pending(key):
+                answer.resolve(lambda: value)
+            else:
+                self._held.append((key, time.monotonic() + self.record_wait_s, answer, value))
+
+        if isinstance(result, PendingCall):
+            result.add_done_callback(hold)
+        else:
+            hold(True, result)
+        return answer.value if answer.done and answer.ok else answer
 
     def save(self, session: Session) -> None:
         if self.remote is not None:
@@ -299,10 +349,10 @@ class SessionCalls:
         owner: str,
         metadata: dict[str, str] | None,
         context_overflow: str = "error",
-    ) -> SessionInfo:
+    ) -> SessionInfo | PendingCall:
         session = self.table.create(idle_ttl_s, owner, metadata, context_overflow)
         self.save(session)
-        return SessionTable.info(session)
+        return self._when_saved(SessionTable.info(session))
 
     def get(self, session_id: str, principal: str) -> SessionInfo | PendingCall:
         return self.use(session_id, principal, SessionTable.info, vouch=True)
@@ -313,7 +363,7 @@ class SessionCalls:
             self.save(session)
             return SessionTable.info(session)
 
-        return self.use(session_id, principal, reset)
+        return self._when_saved(self.use(session_id, principal, reset))
 
     def rewind(
         self, session_id: str, principal: str, turns: int | None, history_tokens: int | None
@@ -323,7 +373,7 @@ class SessionCalls:
             self.save(session)
             return SessionTable.info(session)
 
-        return self.use(session_id, principal, rewind)
+        return self._when_saved(self.use(session_id, principal, rewind))
 
     def fork(
         self,
@@ -338,7 +388,7 @@ class SessionCalls:
             self.save(child)
             return SessionTable.info(child)
 
-        return self.use(session_id, principal, fork)
+        return self._when_saved(self.use(session_id, principal, fork))
 
     def close(self, session_id: str, principal: str) -> SessionInfo | PendingCall:
         def close(session: Session) -> SessionInfo:
@@ -431,3 +481,11 @@ class HeldOutputs:
                 waiting.append((key, give_up, out))
         self._held = waiting
         return ready
+
+
+def _raise(error: BaseException) -> Any:
+    raise error
+
+
+def _same(value: Any) -> Any:
+    return value
