@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from genai_common.credentials import channel_credentials
+from genai_common.errors import NotFound
 from genai_service.config import CacheConfig, EngineConfig, KvStoreConfig, RunnerConfig
 from genai_service.contract.request import GenerationRequest, StoppingCriteria
 from genai_service.engine.engine import LLMEngine
@@ -126,7 +127,7 @@ def test_kv_round_trips_through_a_kvstore_on_mtls(tiny_model_dir: Path, pki: Pat
 def test_session_calls_answer_once_their_record_is_visible(
     tiny_model_dir: Path, kvstore: KvStoreProcess
 ) -> None:
-    """Create, fork, rewind and reset answer only after the changed session's
+    """Create, fork, rewind, reset and close answer only after the changed session's
     record has landed in the kvstore (as a turn's final output does), so the
     next call may go to any replica; another engine finds it at once."""
     a = make_engine(tiny_model_dir, kvstore.target)
@@ -156,6 +157,10 @@ def test_session_calls_answer_once_their_record_is_visible(
         c = make_engine(tiny_model_dir, kvstore.target)
         try:
             assert visible(fork) and c.wait(c.get_session(fork)).turns == 0
+            a.wait(a.close_session(sid))  # its record says closed, for every replica at once
+            assert visible(sid)
+            with pytest.raises(NotFound):
+                c.wait(c.get_session(sid))
         finally:
             c.close()
     finally:
@@ -197,7 +202,6 @@ def test_session_migrates_between_engines(tiny_model_dir: Path, kvstore: KvStore
     b.wait(b.close_session(sid))
     assert b.remote.flush(10)
     a.sessions.close(sid)  # evict from A's memory
-    from genai_common.errors import NotFound
 
     with pytest.raises(NotFound):
         a.wait(a.get_session(sid))

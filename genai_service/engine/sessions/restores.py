@@ -398,7 +398,7 @@ class SessionCalls:
                 self.remote.put_record(self.record_key(session_id), closed_record(session))
             return SessionTable.info(self.table.close(session_id))
 
-        return self.use(session_id, principal, close)
+        return self._when_saved(self.use(session_id, principal, close))
 
     def page(self, principal: str, page_size: int, page_token: str) -> SessionPage:
         """One page of the sessions in memory that ``principal`` owns (all of
