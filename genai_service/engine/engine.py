@@ -125,7 +125,7 @@ class LLMEngine(InProcessDriver):
         )
         self.restores = self.session_calls.restores
         # Final outputs of session turns wait for their record to land in the kvstore.
-        self._held = (
+        self._held: HeldOutputs[RequestOutput] | None = (
             HeldOutputs(self.remote, config.kvstore.record_wait_s)
             if self.remote is not None and config.kvstore
             else None
@@ -656,11 +656,9 @@ class LLMEngine(InProcessDriver):
         if session.session_id in self.sessions:
             self.kv_reuse.park(seq, session)
         session.committing = False
-        for heir in session.heirs:
+        for heir in session.take_heirs():
             if self.sessions.find(heir.session_id) is heir:
                 self.kv_reuse.bequeath(seq, session, heir)
-            heir.committing, heir.heir_of = False, None
-        session.heirs = []
         self._retire(seq)
         dropped = self.sessions.trim_parked_kv(self.config.sessions.max_parked_kv_bytes)
         self.counters["session_kv_evicted"] += dropped
@@ -669,9 +667,7 @@ class LLMEngine(InProcessDriver):
         if seq.status is SeqStatus.COMMITTING:
             if seq.session is not None:
                 seq.session.committing = False
-                for heir in seq.session.heirs:  # their first turns recompute it
-                    heir.committing, heir.heir_of = False, None
-                seq.session.heirs = []
+                seq.session.take_heirs()  # their first turns recompute it
             self._retire(seq)
             return
         self._requests.pop(seq.request_id, None)

@@ -418,9 +418,8 @@ def _sample_cut_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) 
     if top_k:
         h = heads.shape[0]
         bound = np.partition(heads, h - k)[h - k :].min()
+        # (at least k: the k heads at or above the bound are entries of the row)
         cols = np.flatnonzero(row >= kernels.float32_below(np.asarray(bound, dtype=np.float64)))
-        if cols.size < k:
-            return None  # NaN in the row
         vals = row[cols]
         kth = -np.partition(-vals, k - 1)[k - 1]  # the k-th largest, as sorted_desc ranks
         floor = max(floor, kth / t)

@@ -18,12 +18,11 @@ Plain Python: futures from the ``KvChunkStore``, no network here.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import structlog
 
@@ -47,6 +46,7 @@ log = structlog.get_logger(__name__)
 
 Resume = Callable[["GenAIError | None"], None]
 T = TypeVar("T")
+H = TypeVar("H")  # what a HeldOutputs holds
 
 # A turn submitted this soon after a GetSession checked its session's record
 # (the frontend's, building the turn's prompt) does not fetch it again.
@@ -91,6 +91,11 @@ class PendingCall:
 
     def cancel(self) -> None:
         self.done, self._callbacks = True, []
+
+    def settle(self, ok: bool, value: Any) -> None:
+        """Resolve with ``value`` (``ok``), or with the error ``value``."""
+        if not self.done:  # (else cancelled)
+            self._settle(ok, value)
 
     def _settle(self, ok: bool, value: Any) -> None:
         self.done, self.ok, self.value = True, ok, value
@@ -272,11 +277,11 @@ class SessionCalls:
         self.table = table
         self.remote = remote
         self._abort = abort  # the engine's: closing a session cancels its running turn
-        # Answers of calls that changed a session, held (as a turn's final
-        # output is, HeldOutputs) until its record is visible to every replica
-        # or ``record_wait_s`` has passed: (record key, give-up time, answer, value).
-        self.record_wait_s = record_wait_s
-        self._held: list[tuple[bytes, float, PendingCall, SessionInfo]] = []
+        # Answers of calls that changed a session, held as a turn's final output
+        # is: (the answer, its value) until the session's record is visible.
+        self._held: HeldOutputs[tuple[PendingCall, SessionInfo]] | None = (
+            HeldOutputs(remote, record_wait_s) if remote is not None else None
+        )
         self.restores = (
             SessionRestores(
                 remote, table, vocab_size, timeout_s, counters, self.record_key, max_fetches
@@ -295,36 +300,26 @@ class SessionCalls:
         return bool(self._held)
 
     def release_answers(self) -> None:
-        """Resolve the held answers whose record has landed (or waited long enough)."""
-        if not self._held:
-            return
-        assert self.remote is not None
-        now = time.monotonic()
-        waiting = []
-        for key, give_up, pending, info in self._held:
-            if not self.remote.record_pending(key) or now >= give_up:
-                pending.resolve(functools.partial(_same, info))
-            else:
-                waiting.append((key, give_up, pending, info))
-        self._held = waiting
+        """Send the held answers whose record has landed (or waited long enough)."""
+        if self._held:
+            for answer, info in self._held.release():
+                answer.settle(True, info)
 
     def _when_saved(self, result: SessionInfo | PendingCall) -> SessionInfo | PendingCall:
         """``result`` (a changed session's info, or the call waiting for it)
         answered only once the session's record is visible in the kvstore, so
         the caller's next call may go to any replica."""
-        if self.remote is None:
+        held = self._held
+        if held is None:
             return result
         answer = PendingCall()
 
         def hold(ok: bool, value: Any) -> None:
-            if not ok:
-                answer.resolve(lambda: _raise(value))
-                return
-            key = self.record_key(value.session_id)
-            if self.remote is None or not self.remote.record_pending(key):
-                answer.resolve(lambda: value)
+            key = self.record_key(value.session_id) if ok else b""
+            if ok and held.remote.record_pending(key):
+                held.hold(key, (answer, value))
             else:
-                self._held.append((key, time.monotonic() + self.record_wait_s, answer, value))
+                answer.settle(ok, value)
 
         if isinstance(result, PendingCall):
             result.add_done_callback(hold)
@@ -451,24 +446,24 @@ class ParkedRequests:
         return True
 
 
-class HeldOutputs:
-    """Final outputs of session turns held until their session's record is
-    visible in the kvstore (so the next turn may go to any replica), or until
-    ``wait_s`` has passed."""
+class HeldOutputs(Generic[H]):
+    """What answers a change to a session (a turn's final output, a session
+    call's answer) held until the session's record is visible in the kvstore
+    (so the next call may go to any replica), or until ``wait_s`` has passed."""
 
     def __init__(self, remote: KvChunkStore, wait_s: float) -> None:
         self.remote = remote
         self.wait_s = wait_s
         # (record key, give-up time, output)
-        self._held: list[tuple[bytes, float, RequestOutput]] = []
+        self._held: list[tuple[bytes, float, H]] = []
 
     def __bool__(self) -> bool:
         return bool(self._held)
 
-    def hold(self, key: bytes, out: RequestOutput) -> None:
+    def hold(self, key: bytes, out: H) -> None:
         self._held.append((key, time.monotonic() + self.wait_s, out))
 
-    def release(self) -> list[RequestOutput]:
+    def release(self) -> list[H]:
         """The outputs whose record has landed (or that waited long enough)."""
         if not self._held:
             return []
@@ -481,11 +476,3 @@ class HeldOutputs:
                 waiting.append((key, give_up, out))
         self._held = waiting
         return ready
-
-
-def _raise(error: BaseException) -> Any:
-    raise error
-
-
-def _same(value: Any) -> Any:
-    return value

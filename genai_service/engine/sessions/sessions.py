@@ -96,6 +96,13 @@ class Session:
     def kv_ready(self) -> bool:
         return not self.committing
 
+    def take_heirs(self) -> list[Session]:
+        """The forks that waited on this session's commit, waiting no longer."""
+        heirs, self.heirs = self.heirs, []
+        for heir in heirs:
+            heir.committing, heir.heir_of = False, None
+        return heirs
+
 
 def not_found(session_id: str) -> NotFound:
     # Never say whether the id was unknown, expired or malformed (docs/design.md, "Status codes").
