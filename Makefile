@@ -126,9 +126,14 @@ $(BENCH_STAMP): $(STAMP)
 
 # Benchmarks against onnxruntime-genai on the same model directory, one run;
 # JSON under bench/results/ (kept), docs/benchmarks.md rewritten. system-deps: the
-# fleet section starts a Redis Cluster.
+# fleet section starts a Redis Cluster, and the Go toolchain builds $(GO_BENCH)
+# (clients/go/cmd/genai-bench: the concurrency rows driven by the Go client).
+GO_BENCH := build/genai-bench
 bench: setup system-deps $(BENCH_STAMP)
-	$(PY) -m bench.run $(ARGS)
+	@if command -v go >/dev/null; then $(MAKE) --no-print-directory go-client && \
+	  cd $(GO_PKG_DIR) && $(GO_ENV) go build -o $(CURDIR)/$(GO_BENCH) ./cmd/genai-bench; \
+	else echo "warning: no Go toolchain: the Go-client rows are skipped"; fi
+	$(PY) -m bench.run --go-client $(GO_BENCH) $(ARGS)
 
 # A bounded soak (loopback, fixed duration): kvstore + server, mixed unary/stream/
 # bidi/session requests with cancels and deadlines, tokens checked against a quiet

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -295,3 +296,39 @@ def server_concurrent(
     """All prompts submitted at once as separate GenerateStream calls;
     ``sampling`` per prompt as for ``server_single`` (None: all greedy)."""
     return asyncio.run(_concurrent(target, prompts, new_tokens, sampling))
+
+
+def server_concurrent_go(
+    binary: str,
+    target: str,
+    prompts: Sequence[Sequence[int]],
+    new_tokens: int,
+    sampling: Sequence[dict | None] | None = None,
+) -> dict:
+    """``server_concurrent`` driven by the Go client (``clients/go/cmd/genai-bench``,
+    one goroutine per stream) instead of this process's asyncio client; the result
+    has the same shape, plus the Go process's CPU seconds (``client_cpu_s``)."""
+    per_prompt = list(sampling) if sampling is not None else [None] * len(prompts)
+    plan = [
+        {"token_ids": list(p), "max_new_tokens": new_tokens, **(params or {})}
+        for p, params in zip(prompts, per_prompt, strict=True)
+    ]
+    done = subprocess.run(
+        [binary, "-target", target],
+        input=json.dumps(plan),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{binary} exited {done.returncode}: {done.stderr.strip()[-2000:]}")
+    out = json.loads(done.stdout)
+    errors = [s["error"] for s in out["streams"] if s.get("error")]
+    if errors:
+        raise RuntimeError(f"{binary}: {len(errors)} stream(s) failed, first: {errors[0]}")
+    streams = [
+        {"first": s["first_s"], "last": s["last_s"], "tokens": s["tokens"]} for s in out["streams"]
+    ]
+    # Times are seconds from the Go process's own submit instant.
+    return {"submit": 0.0, "streams": streams, "client_cpu_s": out["cpu_s"]}

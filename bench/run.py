@@ -83,7 +83,10 @@ what to compare. `docs/design.md` explains the engine. Every concurrency row run
 sampled (temperature 0.7, top_p 0.9, top_k 50) and sampled with repetition_penalty 1.1
 against og.Engine with the same settings; single streams greedy and sampled against
 og.Generator, plus one stream filling the model's 8,192-token window; a table of CPU per
-generated token per process (from /proc). Options: `--quick` (smoke test, writes no page),
+generated token per process (from /proc). The first concurrency shape is driven twice through
+the server: by the Python asyncio client and by the Go client (`clients/go/cmd/genai-bench`,
+which `make bench` builds; `--go-client PATH`), so the client's own CPU shows. Options:
+`--quick` (smoke test, writes no page),
 `--sections`, `--samplings greedy` (concurrency rows greedy only), `--llama-server PATH
 [--gguf PATH]` (adds llama.cpp's `llama-server` on the same GGUF; skipped without a binary).
 """
@@ -193,6 +196,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--gguf", default=None, metavar="PATH", help="GGUF for llama-server (the default model's)"
     )
+    p.add_argument(
+        "--go-client",
+        default=None,
+        metavar="PATH",
+        help="clients/go/cmd/genai-bench, built (make bench builds it): the first "
+        "concurrency shape is also driven by the Go client (skipped when absent)",
+    )
     doc = p.add_mutually_exclusive_group()
     doc.add_argument("--doc", dest="doc", action="store_true", default=None)
     doc.add_argument("--no-doc", dest="doc", action="store_false")
@@ -253,8 +263,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             "og_engine_model": str(og_engine_dir),
         }
     }
+    go_client = args.go_client if args.go_client and Path(args.go_client).is_file() else None
+    if args.go_client and not go_client:
+        log.warning("no Go bench client; its rows are skipped", path=args.go_client)
     bench = Bench(
-        plan, model_dir, og_engine_dir, quiet_wait_s=args.quiet_wait, retries=args.retries
+        plan,
+        model_dir,
+        og_engine_dir,
+        quiet_wait_s=args.quiet_wait,
+        retries=args.retries,
+        go_client=go_client,
     )
     results["meta"]["runner_kind"] = bench.inproc.runner_kind
     # Wall time and CPU per phase, and the CPU other work took meanwhile.

@@ -32,7 +32,14 @@ import structlog
 from genai_client import Client
 
 from .ortgenai import OgWorker
-from .ours import InProcessEngine, ServerProcess, server_concurrent, server_sessions, server_single
+from .ours import (
+    InProcessEngine,
+    ServerProcess,
+    server_concurrent,
+    server_concurrent_go,
+    server_sessions,
+    server_single,
+)
 from .procs import CpuLedger, ProcCpu, wait_quiet
 from .workload import (
     SAMPLINGS,
@@ -62,8 +69,12 @@ class Bench:
         quiet_wait_s: float = 30.0,
         retries: int = 2,
         retry_budget_s: float = 600.0,
+        go_client: str | None = None,
     ) -> None:
         self.plan = plan
+        # clients/go/cmd/genai-bench, built: the first concurrency shape's rows are
+        # also driven by the Go client ("ours_go"), beside this process's asyncio one.
+        self.go_client = go_client
         self.model_dir = str(model_dir)
         self.source = TokenSource(model_dir)
         self.workload = Workload.build(plan, self.source)
@@ -400,41 +411,56 @@ class Bench:
         server and og.Engine with the same settings (a seed per request), on prompts
         of their own, rep by rep after the greedy one."""
         og = self.og["og_engine"]
-        cpu = {"ours": self._server_cpu(), "og": self._og_cpu("og_engine")}
+        assert self.server is not None
+        cpu = {
+            "ours": self._server_cpu(),
+            "ours_go": self.server.cpu_groups(),  # + the Go process's own figure
+            "og": self._og_cpu("og_engine"),
+        }
         samplings = self.plan.concurrency_samplings
         out: dict = {}
-        for (prompt_len, new), levels in self.workload.concurrency.items():
+        for i, ((prompt_len, new), levels) in enumerate(self.workload.concurrency.items()):
             shape = f"{prompt_len}-token prompts + {new} new tokens"
             out[shape] = {}
+            go = self.go_client if i == 0 else None
 
             def run(
-                prompts: list[list[int]], new: int = new, sampling: str = "greedy"
+                prompts: list[list[int]],
+                new: int = new,
+                sampling: str = "greedy",
+                go: str | None = go,
             ) -> tuple[dict[str, Any], float]:
+                params = (
+                    None if sampling == "greedy" else [self._sampling(sampling) for _ in prompts]
+                )
+                calls: Calls = {
+                    "ours": (server_concurrent, (self._target, prompts, new, params), {}),
+                    "og": (
+                        og.call,
+                        ("concurrent",),
+                        {"prompts": prompts, "new_tokens": new, "sampling": params},
+                    ),
+                }
                 if sampling == "greedy":
-                    calls: Calls = {
-                        "ours": (server_concurrent, (self._target, prompts, new), {}),
-                        "ours_inproc": (self.inproc.concurrent, (prompts, new), {}),
-                        "og": (og.call, ("concurrent",), {"prompts": prompts, "new_tokens": new}),
-                    }
-                else:
-                    params = [self._sampling(sampling) for _ in prompts]
-                    calls = {
-                        "ours": (server_concurrent, (self._target, prompts, new, params), {}),
-                        "og": (
-                            og.call,
-                            ("concurrent",),
-                            {"prompts": prompts, "new_tokens": new, "sampling": params},
-                        ),
-                    }
+                    calls["ours_inproc"] = (self.inproc.concurrent, (prompts, new), {})
+                if go:
+                    # The same requests (and seeds) as "ours", from the Go client.
+                    calls["ours_go"] = (
+                        server_concurrent_go,
+                        (go, self._target, prompts, new, params),
+                        {},
+                    )
                 out, worst = self._run_in_turn(calls, cpu)
-                stats = {
-                    name: {
+                stats = {}
+                for name, r in out.items():
+                    cpu_s = dict(r.get("cpu_s") or {})
+                    if "client_cpu_s" in r:
+                        cpu_s["client"] = r["client_cpu_s"]
+                    stats[name] = {
                         **concurrency_stats(r["submit"], r["streams"]),
                         "foreign_cores": r["foreign_cores"],
-                        **({"cpu_s": r["cpu_s"]} if "cpu_s" in r else {}),
+                        **({"cpu_s": cpu_s} if cpu_s else {}),
                     }
-                    for name, r in out.items()
-                }
                 return stats, worst
 
             for n, reps in levels.items():

@@ -337,3 +337,24 @@ def test_the_slide_section_has_its_target_and_table() -> None:
     md = report.markdown(r)
     assert "| slide, keys rotated | 0.50 | 0.10 | 0.12 | 0.11 | 2 (3.2) | 512 | 0 |" in md
     assert "“the / last answer…”" in md
+
+
+def test_fewer_streams_have_targets_and_go_client_rows_where_measured() -> None:
+    r = results()
+    shape = "64-token prompts + 256 new tokens"
+    levels = r["concurrency"][shape]
+    one = {**levels["1"], "ours_go": _conc(126.0, {"frontend": 0.1, "engine": 6.0, "client": 0.05})}
+    one["samplings"] = {
+        name: {**d, "ours_go": _conc(d["ours"]["agg_tok_s"] + 1)}
+        for name, d in levels["1"]["samplings"].items()
+    }
+    levels["1"] = one
+    ts = _by_name(r)
+    t = ts[f"1 stream(s), {shape}, greedy: total tok/s ≥ 1.0× og.Engine same sampling"]
+    assert t["measured"] == pytest.approx(160 / 120) and t["met"] is True
+    t = ts[f"1 stream(s), {shape}, sampled, Go client: total tok/s ≥ 1.0× og.Engine same sampling"]
+    assert t["measured"] == pytest.approx(153 / 100)
+    assert not [n for n in ts if n.startswith("8 stream(s)")]  # the most streams: own targets
+    md = report.markdown({**r, "targets": report.targets(r)})
+    assert "| 1 | greedy | 160.00 | 170.00 | 126.00 | 120.00 | 1.33 | 1.05 |" in md
+    assert f"| 1 streams, {shape} (Go client) | greedy | 0.10 | 6.00 | 0.05 |" in md
