@@ -244,6 +244,8 @@ class LimitsConfig:
     max_top_logprobs: int = 20
     max_time_limit_ms: int = 3_600_000
     max_cache_salt_chars: int = 256
+    max_logit_bias: int = flag(1024, help="most logit_bias entries a request may give", metavar="N")
+    max_bad_words: int = 128
     max_constraint_bytes: int = flag(
         65_536,
         help="largest structured-output constraint (schema, regex, grammar or choices), "
@@ -261,6 +263,8 @@ class LimitsConfig:
             "max_time_limit_ms",
             "max_cache_salt_chars",
             "max_constraint_bytes",
+            "max_logit_bias",
+            "max_bad_words",
         ):
             _positive(name, getattr(self, name))
         if self.max_top_logprobs < 0:

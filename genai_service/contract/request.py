@@ -44,10 +44,60 @@ class SamplingParams:
     frequency_penalty: float | None = None  # 0.0 or None: disabled
     presence_penalty: float | None = None  # 0.0 or None: disabled
     seed: int | None = None  # None: the engine picks one and reports it
+    # The rest of the decoding surface (docs/design.md, "Sampling"); each
+    # None (or its neutral value, or empty) is off and costs nothing.
+    repetition_penalty_last_n: int | None = None  # 0 or None: the whole context
+    typical_p: float | None = None  # 1.0 or None: disabled
+    top_a: float | None = None  # 0.0 or None: disabled
+    xtc_threshold: float | None = None  # None: 0.1 (when xtc_probability > 0)
+    xtc_probability: float | None = None  # 0.0 or None: disabled
+    dry_multiplier: float | None = None  # 0.0 or None: disabled
+    dry_base: float | None = None  # None: 1.75
+    dry_allowed_length: int | None = None  # None: 2
+    dry_penalty_last_n: int | None = None  # 0 or None: the whole context
+    dry_sequence_breakers: tuple[str, ...] = ()  # empty: DRY_DEFAULT_BREAKERS
+    mirostat: int | None = None  # 0 or None: off; 2: Mirostat v2
+    mirostat_tau: float | None = None  # None: 5.0
+    mirostat_eta: float | None = None  # None: 0.1
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids unique
+    banned_token_ids: tuple[int, ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()  # empty: every token
+    bad_words: tuple[str, ...] = ()
 
     @property
     def greedy(self) -> bool:
         return self.temperature is None or self.temperature == 0.0
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether a logit control beyond the classic penalties is set (greedy
+        rows then need the sampler too)."""
+        return bool(
+            self.dry_multiplier
+            or self.logit_bias
+            or self.banned_token_ids
+            or self.allowed_token_ids
+            or self.bad_words
+        )
+
+    @property
+    def extended(self) -> bool:
+        """Whether a sampled row uses a stage after top-p (top-a, typical,
+        Mirostat, XTC): it then takes the sampler's extended path."""
+        return bool(
+            (self.typical_p is not None and self.typical_p < 1.0)
+            or self.top_a
+            or self.xtc_probability
+            or self.mirostat
+        )
+
+
+DRY_DEFAULT_BREAKERS = ("\n", ":", '"', "*")  # llama.cpp's and text-generation-webui's
+DRY_DEFAULT_BASE = 1.75
+DRY_DEFAULT_ALLOWED_LENGTH = 2
+XTC_DEFAULT_THRESHOLD = 0.1
+MIROSTAT_DEFAULT_TAU = 5.0
+MIROSTAT_DEFAULT_ETA = 0.1
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from .sequence import SeqStatus, Sequence, new_sequence
 from .sessions.restores import HeldOutputs, ParkedRequests, PendingCall, SessionCalls
 from .sessions.sessions import Session, SessionTable, slide_turn_ends
 from .speculation import Speculation
+from .text.token_texts import TokenTexts
 from .validation import resolve_max_new_tokens, truncate_prompt, validate_request
 
 log = structlog.get_logger(__name__)
@@ -144,7 +145,12 @@ class LLMEngine(InProcessDriver):
             max_constraint_bytes=config.limits.max_constraint_bytes,
         )
         self.token_text = self.tokenizer.token_text  # token id -> its text (stop tokens, logprobs)
-        self.picker = TokenPicker(self.spec.sampling_defaults, self.token_text, self.guidance)
+        self.picker = TokenPicker(
+            self.spec.sampling_defaults,
+            self.token_text,
+            self.guidance,
+            TokenTexts(self.tokenizer.inner, self.vocab_size),
+        )
         self.speculation = (
             Speculation(config.speculation, self.runner, self.counters)
             if config.speculation.num_tokens
@@ -607,6 +613,8 @@ class LLMEngine(InProcessDriver):
                     session.turn_ends = slide_turn_ends(session.turn_ends, seq.slides)
                     session.dropped_tokens += sum(n for _, n in seq.slides)
                 session.lineage = seq.lineage
+                if seq.mirostat is not None:
+                    session.mirostat_mu = seq.mirostat.mu
                 session.turn_ends.append(len(session.history))
                 self.session_calls.save(session)
                 # The last sampled token has no KV yet: compute it next step so

@@ -14,10 +14,11 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..contract.request import SamplingParams, TokenLogprob, TopLogprob
+from ..contract.request import DRY_DEFAULT_BREAKERS, SamplingParams, TokenLogprob, TopLogprob
 from ..guidance.constraints import Guidance
 from .sampling import sampler as sampling
 from .sequence import Sequence
+from .text.token_texts import TokenTexts, breaker_strings
 
 _SAMPLING_DEFAULT_FIELDS = ("top_k", "top_p", "min_p", "repetition_penalty")
 
@@ -36,6 +37,7 @@ def plain_greedy(seq: Sequence, pending: int = 0, masked: bool = False) -> bool:
         and p.repetition_penalty in (None, 1.0)
         and not p.frequency_penalty
         and not p.presence_penalty
+        and not p.changes_logits
     )
 
 
@@ -44,16 +46,24 @@ def sampling_row(
     defaults: Mapping[str, float | int],
     pending: list[int] | None = None,
     allowed: np.ndarray | None = None,
+    texts: TokenTexts | None = None,
 ) -> sampling.SamplingRow:
     """The sampler's view of ``seq``; ``defaults`` are the model's ``sampling_defaults``;
     ``pending`` as in ``plain_greedy``, but the tokens themselves (penalties see them);
-    ``allowed`` the mask of its constraint, if it has one."""
+    ``allowed`` the mask of its constraint, if it has one; ``texts``: the
+    vocabulary's texts (DRY's sequence breakers)."""
     outputs = seq.output_ids + pending if pending else seq.output_ids
     banned: tuple[int, ...] = ()
     if len(outputs) < seq.request.stopping.min_new_tokens:
         banned = tuple(seq.eos_token_ids | seq.stop_token_ids)
+    params = effective_sampling(seq.request.sampling, defaults)
+    breakers = None
+    if params.dry_multiplier and texts is not None:
+        breakers = texts.breakers(
+            breaker_strings(params.dry_sequence_breakers, DRY_DEFAULT_BREAKERS)
+        )
     return sampling.SamplingRow(
-        params=effective_sampling(seq.request.sampling, defaults),
+        params=params,
         rng=seq.rng,
         prompt_token_ids=seq.token_ids[: seq.prompt_len],
         output_token_ids=outputs,
@@ -61,6 +71,9 @@ def sampling_row(
         banned_token_ids=banned,
         want_logprobs=seq.request.top_logprobs > 0,
         allowed=allowed,
+        dry_breakers=breakers,
+        bad_words=seq.bad_words,
+        mirostat=seq.mirostat,
     )
 
 
@@ -123,10 +136,12 @@ class TokenPicker:
         defaults: Mapping[str, float | int],
         token_text: Callable[[int], str],
         guidance: Guidance | None = None,
+        texts: TokenTexts | None = None,
     ):
         self.defaults = defaults  # the model's sampling_defaults
         self.token_text = token_text
         self.guidance = guidance
+        self.texts = texts  # the vocabulary's texts, for DRY's sequence breakers
 
     def pick(
         self,
@@ -151,7 +166,10 @@ class TokenPicker:
             return [
                 (greedy_pick(logits[j], masks.get(seq.seq_id)), None) for j, seq in enumerate(seqs)
             ]
-        rows = [sampling_row(seq, self.defaults, allowed=masks.get(seq.seq_id)) for seq in seqs]
+        rows = [
+            sampling_row(seq, self.defaults, allowed=masks.get(seq.seq_id), texts=self.texts)
+            for seq in seqs
+        ]
         sampled = sampling.sample(logits, sampling.prepare(rows))
         return [self._picked(seq, sampled, j) for j, seq in enumerate(seqs)]
 
@@ -172,7 +190,7 @@ class TokenPicker:
                 matcher.rollback(len(pending))
             if plain_greedy(seq, len(pending), masked=True):
                 return greedy_pick(row, allowed), None
-        args = sampling.prepare([sampling_row(seq, self.defaults, pending, allowed)])
+        args = sampling.prepare([sampling_row(seq, self.defaults, pending, allowed, self.texts)])
         return self._picked(seq, sampling.sample(row[None], args), 0)
 
     def _picked(self, seq: Sequence, sampled: sampling.SampleOutput, j: int) -> Picked:

@@ -21,7 +21,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tokenizers
 
-from ..contract.request import FinishReason, GenerationRequest, RequestOutput, Usage
+from ..contract.request import (
+    MIROSTAT_DEFAULT_TAU,
+    FinishReason,
+    GenerationRequest,
+    RequestOutput,
+    Usage,
+)
+from .sampling.sampler import MirostatState
 from .text.text_output import TextOutput
 
 if TYPE_CHECKING:
@@ -83,6 +90,12 @@ class Sequence:
     # llguidance.LLMatcher of the request's constraint (guidance/constraints.py): it
     # has consumed exactly the generated tokens; None without a constraint.
     matcher: Any = None
+    # SamplingParams.bad_words as token sequences (each as written and with a
+    # leading space, where that tokenizes differently), for the sampler's bans.
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    # Mirostat v2's state (sampler.MirostatState) of a Mirostat request; a
+    # session turn continues the session's mu.
+    mirostat: MirostatState | None = None
 
     @property
     def request_id(self) -> str:
@@ -201,6 +214,12 @@ def new_sequence(
     deadline = None
     if stopping.time_limit_ms is not None:
         deadline = time.monotonic() + stopping.time_limit_ms / 1000.0
+    sampling = request.sampling
+    mirostat = None
+    if sampling.mirostat and not sampling.greedy:
+        mu = session.mirostat_mu if session is not None else None
+        tau = sampling.mirostat_tau if sampling.mirostat_tau is not None else MIROSTAT_DEFAULT_TAU
+        mirostat = MirostatState(2.0 * tau if mu is None else mu)
     return Sequence(
         request=request,
         token_ids=token_ids,
@@ -220,4 +239,20 @@ def new_sequence(
         ),
         deadline=deadline,
         session=session,
+        bad_words=tokenize_bad_words(tokenizer, sampling.bad_words),
+        mirostat=mirostat,
     )
+
+
+def tokenize_bad_words(
+    tokenizer: tokenizers.Tokenizer, words: Iterable[str]
+) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's token ids as written and, where it differs, with a
+    leading space (the form it takes after another word), as vLLM does."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        for form in (word, " " + word.lstrip(" ")):
+            ids = tuple(tokenizer.encode(form, add_special_tokens=False).ids)
+            if ids and ids not in out:
+                out.append(ids)
+    return tuple(out)

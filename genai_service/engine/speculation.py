@@ -167,13 +167,18 @@ class Speculation:
         self.counters = counters
 
     def drafts(self, items: Sequence[tuple[Seq, int]], context_length: int) -> dict[int, list[int]]:
-        """seq_id -> draft for the sequences of a step (``PromptLookup.drafts``);
-        a constrained sequence's draft is cut to the longest prefix its
-        constraint accepts (``accept`` then masks each position as it picks)."""
+        """seq_id -> draft for the sequences of a step (``PromptLookup.drafts``;
+        none for a Mirostat sequence); a constrained sequence's draft is cut to
+        the longest prefix its constraint accepts (``accept`` then masks each
+        position as it picks)."""
         drafts = self.drafter.drafts(items, context_length)
         for seq, _ in items:
             draft = drafts.get(seq.seq_id)
-            if draft and seq.matcher is not None:
+            if draft and seq.mirostat is not None:
+                # Mirostat's mu moves with every pick, and a check picks past
+                # the tokens it keeps when one of them ends the request.
+                del drafts[seq.seq_id]
+            elif draft and seq.matcher is not None:
                 keep = seq.matcher.validate_tokens(draft)
                 if keep:
                     drafts[seq.seq_id] = draft[:keep]

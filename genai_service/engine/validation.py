@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from genai_common.errors import InvalidArgument
 
 from ..config import LimitsConfig
-from ..contract.request import GenerationRequest
+from ..contract.request import GenerationRequest, SamplingParams
 
 UINT64_MAX = 2**64 - 1
+UINT32_MAX = 2**32 - 1
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,23 @@ _SAMPLING_RULES: tuple[tuple[str, Callable[[int], _Range]], ...] = (
     ("frequency_penalty", lambda vocab: _Range("sampling.frequency_penalty", -2.0, 2.0)),
     ("presence_penalty", lambda vocab: _Range("sampling.presence_penalty", -2.0, 2.0)),
     ("seed", lambda vocab: _Range("sampling.seed", 0, UINT64_MAX)),
+    (
+        "repetition_penalty_last_n",
+        lambda vocab: _Range("sampling.repetition_penalty_last_n", 0, UINT32_MAX),
+    ),
+    ("typical_p", lambda vocab: _Range("sampling.typical_p", 0.0, 1.0, low_open=True)),
+    ("top_a", lambda vocab: _Range("sampling.top_a", 0.0, 1.0)),
+    ("xtc_threshold", lambda vocab: _Range("sampling.xtc_threshold", 0.0, 1.0)),
+    ("xtc_probability", lambda vocab: _Range("sampling.xtc_probability", 0.0, 1.0)),
+    ("dry_multiplier", lambda vocab: _Range("sampling.dry_multiplier", 0.0, 100.0)),
+    ("dry_base", lambda vocab: _Range("sampling.dry_base", 1.0, 10.0)),
+    ("dry_allowed_length", lambda vocab: _Range("sampling.dry_allowed_length", 1, 1024)),
+    ("dry_penalty_last_n", lambda vocab: _Range("sampling.dry_penalty_last_n", 0, UINT32_MAX)),
+    ("mirostat_tau", lambda vocab: _Range("sampling.mirostat_tau", 0.0, 100.0, low_open=True)),
+    ("mirostat_eta", lambda vocab: _Range("sampling.mirostat_eta", 0.0, 1.0, low_open=True)),
 )
+MAX_DRY_BREAKERS = 16
+MAX_DRY_BREAKER_CHARS = 64
 
 
 def resolve_max_new_tokens(request: GenerationRequest, limits: LimitsConfig) -> int:
@@ -126,6 +143,7 @@ def validate_request(
     sampling = request.sampling
     for name, rule in _SAMPLING_RULES:
         rule(vocab_size).check(getattr(sampling, name))
+    _validate_logit_controls(sampling, vocab_size, limits)
 
     stopping = request.stopping
     max_new = resolve_max_new_tokens(request, limits)
@@ -158,3 +176,56 @@ def validate_request(
         raise InvalidArgument(
             f"cache_salt: {len(salt)} characters; allowed 1 to {limits.max_cache_salt_chars}"
         )
+
+
+def _validate_logit_controls(
+    sampling: SamplingParams, vocab_size: int, limits: LimitsConfig
+) -> None:
+    """Mirostat's version, DRY's breakers, logit_bias, banned and allowed ids, bad words."""
+    if sampling.mirostat not in (None, 0, 2):
+        detail = (
+            " (Mirostat v1 is not supported; use 2, Mirostat v2)" if sampling.mirostat == 1 else ""
+        )
+        raise InvalidArgument(
+            f"sampling.mirostat: {sampling.mirostat} is not a known value{detail}; "
+            "allowed 0 (off) or 2"
+        )
+    breakers = sampling.dry_sequence_breakers
+    if len(breakers) > MAX_DRY_BREAKERS:
+        raise InvalidArgument(
+            f"sampling.dry_sequence_breakers: {len(breakers)} given; "
+            f"allowed at most {MAX_DRY_BREAKERS}"
+        )
+    for i, b in enumerate(breakers):
+        if not 1 <= len(b) <= MAX_DRY_BREAKER_CHARS:
+            raise InvalidArgument(
+                f"sampling.dry_sequence_breakers[{i}]: {len(b)} characters; allowed 1 to "
+                f"{MAX_DRY_BREAKER_CHARS}"
+            )
+    bias = sampling.logit_bias
+    if len(bias) > limits.max_logit_bias:
+        raise InvalidArgument(
+            f"sampling.logit_bias: {len(bias)} entries; allowed at most {limits.max_logit_bias}"
+        )
+    for tok, value in bias:
+        _Range("sampling.logit_bias key", 0, vocab_size - 1).check(tok)
+        _Range(f"sampling.logit_bias[{tok}]", -100.0, 100.0).check(value)
+    for name in ("banned_token_ids", "allowed_token_ids"):
+        ids = getattr(sampling, name)
+        if len(ids) > vocab_size:
+            raise InvalidArgument(
+                f"sampling.{name}: {len(ids)} given; allowed at most {vocab_size} (the vocabulary)"
+            )
+        for i, tok in enumerate(ids):
+            _Range(f"sampling.{name}[{i}]", 0, vocab_size - 1).check(tok)
+    words = sampling.bad_words
+    if len(words) > limits.max_bad_words:
+        raise InvalidArgument(
+            f"sampling.bad_words: {len(words)} given; allowed at most {limits.max_bad_words}"
+        )
+    for i, w in enumerate(words):
+        if not 1 <= len(w) <= limits.max_stop_sequence_chars:
+            raise InvalidArgument(
+                f"sampling.bad_words[{i}]: {len(w)} characters; allowed 1 to "
+                f"{limits.max_stop_sequence_chars}"
+            )

@@ -157,6 +157,33 @@ def _check_size(field: str, size: int, limit: int) -> None:
         raise InvalidArgument(f"{field}: {size} characters; allowed at most {limit}")
 
 
+_OPTIONAL_SAMPLING = (
+    "repetition_penalty_last_n",
+    "typical_p",
+    "top_a",
+    "xtc_threshold",
+    "xtc_probability",
+    "dry_multiplier",
+    "dry_base",
+    "dry_allowed_length",
+    "dry_penalty_last_n",
+    "mirostat",
+    "mirostat_tau",
+    "mirostat_eta",
+)
+
+
+def _decoding_surface(s: generate_pb2.SamplingParams) -> dict[str, Any]:
+    """The SamplingParams fields past the classic ones, as ``SamplingParams`` keywords."""
+    out: dict[str, Any] = {name: _opt(s, name) for name in _OPTIONAL_SAMPLING}
+    out["dry_sequence_breakers"] = tuple(s.dry_sequence_breakers)
+    out["logit_bias"] = tuple(sorted((int(k), float(v)) for k, v in s.logit_bias.items()))
+    out["banned_token_ids"] = tuple(s.banned_token_ids)
+    out["allowed_token_ids"] = tuple(s.allowed_token_ids)
+    out["bad_words"] = tuple(s.bad_words)
+    return out
+
+
 def generation_request(
     request: generate_pb2.GenerateRequest, token_ids: Sequence[int]
 ) -> GenerationRequest:
@@ -175,6 +202,7 @@ def generation_request(
         frequency_penalty=_opt(s, "frequency_penalty"),  # type: ignore[arg-type]
         presence_penalty=_opt(s, "presence_penalty"),  # type: ignore[arg-type]
         seed=_opt(s, "seed"),  # type: ignore[arg-type]
+        **_decoding_surface(s),
     )
     stopping = StoppingCriteria(
         max_new_tokens=_opt(st, "max_new_tokens"),  # type: ignore[arg-type]

@@ -10,13 +10,15 @@ alternatives' ids and the sum of all raw logprobs returned. ``tests/unit/data/sa
 ``test_sampler_golden.py`` checks the sampler still reproduces it exactly.
 
 Regenerate (only when the contract itself changes, never to make a faster
-sampler pass): ``.venv/bin/python -m tests.unit.sampler_golden``.
+sampler pass): ``.venv/bin/python -m tests.unit.sampler_golden``; record only
+the cases of a new mix: ``... -m tests.unit.sampler_golden --add``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from genai_service.contract.request import SamplingParams
-from genai_service.engine.sampling.sampler import SamplingRow, prepare, sample
+from genai_service.contract.request import MIROSTAT_DEFAULT_TAU, SamplingParams
+from genai_service.engine.sampling.sampler import MirostatState, SamplingRow, prepare, sample
 
 GOLDEN_PATH = Path(__file__).parent / "data" / "sampler_golden.json"
 
@@ -59,6 +61,17 @@ MIXES: dict[str, list[SamplingParams]] = {
         P(),
         P(repetition_penalty=1.2),
         P(temperature=0.5, top_k=5, min_p=0.1, frequency_penalty=0.2, presence_penalty=0.2),
+    ],
+    # The stages issue 26 added (recorded when they were; ``--add`` records new mixes only).
+    "surface": [
+        P(temperature=0.9, typical_p=0.8),
+        P(temperature=1.0, top_a=0.3, top_k=40),
+        P(temperature=0.8, xtc_probability=0.5, xtc_threshold=0.05, top_p=0.95),
+        P(temperature=1.0, mirostat=2, mirostat_tau=4.0),
+        P(temperature=0.7, dry_multiplier=0.8, top_k=50, logit_bias=((3, 2.0), (5, -100.0))),
+        P(dry_multiplier=1.5, repetition_penalty=1.2, repetition_penalty_last_n=16),
+        P(temperature=1.0, allowed_token_ids=tuple(range(0, 4097, 3)), min_p=0.01),
+        P(temperature=1.2, typical_p=0.95, xtc_probability=1.0, mirostat=2, mirostat_eta=0.3),
     ],
 }
 
@@ -110,15 +123,24 @@ def run_case(case: Case) -> dict[str, Any]:
         if case.ban == "all" and i == 0:
             banned = list(range(case.vocab))
         prompt = gen.integers(0, case.vocab, size=min(512, 4 * case.vocab)).tolist()
+        params = mix[i % len(mix)]
+        breakers = np.zeros(case.vocab, dtype=bool)
+        breakers[: max(1, case.vocab // 50)] = True
         rows.append(
             SamplingRow(
-                params=mix[i % len(mix)],
+                params=params,
                 rng=np.random.default_rng(1000 + i),
                 prompt_token_ids=prompt,
                 output_token_ids=[],
                 top_logprobs=(0, 3, 0, 5)[i % 4],
                 banned_token_ids=banned,
                 want_logprobs=i % 3 == 0,
+                dry_breakers=breakers if params.dry_multiplier else None,
+                mirostat=(
+                    MirostatState(2.0 * (params.mirostat_tau or MIROSTAT_DEFAULT_TAU))
+                    if params.mirostat
+                    else None
+                ),
             )
         )
     tokens: list[list[int]] = []
@@ -144,7 +166,12 @@ def record() -> dict[str, Any]:
 
 def main() -> None:
     GOLDEN_PATH.parent.mkdir(parents=True, exist_ok=True)
-    GOLDEN_PATH.write_text(json.dumps(record(), separators=(",", ":")) + "\n")
+    if "--add" in sys.argv[1:]:  # record the cases the file lacks, keep the rest as it is
+        golden = json.loads(GOLDEN_PATH.read_text())
+        golden |= {c.name: run_case(c) for c in cases() if c.name not in golden}
+    else:
+        golden = record()
+    GOLDEN_PATH.write_text(json.dumps(golden, separators=(",", ":")) + "\n")
     print(f"wrote {GOLDEN_PATH} ({GOLDEN_PATH.stat().st_size} bytes)")
 
 

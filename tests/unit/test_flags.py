@@ -70,6 +70,7 @@ NOT_FLAGS = {
     "LimitsConfig.max_top_logprobs",
     "LimitsConfig.max_time_limit_ms",
     "LimitsConfig.max_cache_salt_chars",
+    "LimitsConfig.max_bad_words",
     "RedisConfig.max_connections",
 }
 # Flags that set no single field (the NOT_FLAGS fields above they feed).

@@ -43,7 +43,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from genai_service.contract.request import SamplingParams
+from genai_service.contract.request import (
+    DRY_DEFAULT_ALLOWED_LENGTH,
+    DRY_DEFAULT_BASE,
+    MIROSTAT_DEFAULT_ETA,
+    MIROSTAT_DEFAULT_TAU,
+    XTC_DEFAULT_THRESHOLD,
+    SamplingParams,
+)
 
 from . import sampler_kernels as kernels
 from .sampler_kernels import DRAW_BLOCK, NO_IDS, NO_VALS
@@ -67,6 +74,30 @@ class SamplingRow:
     banned_token_ids: Sequence[int] = ()  # forced to -inf (e.g. EOS before min_new_tokens)
     want_logprobs: bool = False  # return the chosen token's raw logprob
     allowed: np.ndarray | None = None  # [V] bool: the only tokens a constraint allows
+    dry_breakers: np.ndarray | None = None  # [V] bool: DRY's sequence-breaker tokens
+    bad_words: Sequence[tuple[int, ...]] = ()  # tokenized ``params.bad_words``
+    mirostat: MirostatState | None = None  # the sequence's Mirostat state (updated in place)
+
+
+@dataclass
+class MirostatState:
+    """Mirostat v2's per-sequence ``mu`` (starts at 2 tau; kept across steps and
+    session turns): the largest surprise, in bits, a token may have."""
+
+    mu: float
+
+
+@dataclass(frozen=True)
+class Extended:
+    """A sampled row's stages after top-p (``SamplingParams.extended``)."""
+
+    typical_p: float  # 1.0: off
+    top_a: float  # 0.0: off
+    xtc_threshold: float
+    xtc_probability: float  # 0.0: off
+    mirostat: MirostatState | None
+    mirostat_tau: float
+    mirostat_eta: float
 
 
 @dataclass
@@ -121,6 +152,9 @@ class SamplingArgs:
     additive: SparseEdit = field(default_factory=SparseEdit)  # values: f * count + p
     allowed_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [A]
     allowed: np.ndarray | None = None  # [A, V] bool, the masks of allowed_rows
+    only: SparseEdit = field(default_factory=SparseEdit)  # allowed_token_ids; values unused
+    bias: SparseEdit = field(default_factory=SparseEdit)  # values: logit_bias, added
+    extended: list[Extended | None] = field(default_factory=list)  # [B] or empty: none
 
     @property
     def batch_size(self) -> int:
@@ -160,9 +194,18 @@ def prepare(rows: Sequence[SamplingRow]) -> SamplingArgs:
     banned: list[tuple[int, np.ndarray, np.ndarray]] = []
     repetition: list[tuple[int, np.ndarray, np.ndarray]] = []
     additive: list[tuple[int, np.ndarray, np.ndarray]] = []
+    only: list[tuple[int, np.ndarray, np.ndarray]] = []
+    bias: list[tuple[int, np.ndarray, np.ndarray]] = []
     masked: list[int] = []
+    extended: list[Extended | None] = []
     for i, row in enumerate(rows):
         p = row.params
+        if p.changes_logits or p.extended or row.bad_words:
+            _prepare_controls(i, row, banned, additive, only, bias)
+            if not extended and p.extended and not p.greedy:
+                extended = [None] * b
+            if extended and p.extended and not p.greedy:
+                extended[i] = _extended(row)
         if not p.greedy:
             temperature[i] = p.temperature
         if p.top_k:
@@ -180,6 +223,8 @@ def prepare(rows: Sequence[SamplingRow]) -> SamplingArgs:
         if rep is not None and rep != 1.0:
             # Duplicates are harmless here: every copy writes the same value.
             seen = np.concatenate([_ids(row.prompt_token_ids), _ids(row.output_token_ids)])
+            if p.repetition_penalty_last_n:
+                seen = seen[-p.repetition_penalty_last_n :]
             repetition.append((i, seen, np.full(seen.size, rep, dtype=np.float32)))
         if row.allowed is not None:
             masked.append(i)
@@ -187,7 +232,10 @@ def prepare(rows: Sequence[SamplingRow]) -> SamplingArgs:
         pres = p.presence_penalty or 0.0
         if (freq or pres) and len(row.output_token_ids):
             ids, counts = _unique_counts(_ids(row.output_token_ids))
-            additive.append((i, ids, freq * counts + pres))
+            if additive and additive[-1][0] == i:  # DRY's, from _prepare_controls
+                additive[-1] = _summed(additive[-1], (i, ids, freq * counts + pres))
+            else:
+                additive.append((i, ids, freq * counts + pres))
     return SamplingArgs(
         temperature=temperature,
         top_k=top_k,
@@ -201,6 +249,76 @@ def prepare(rows: Sequence[SamplingRow]) -> SamplingArgs:
         additive=SparseEdit.build(additive),
         allowed_rows=np.asarray(masked, dtype=np.int64),
         allowed=np.stack([rows[i].allowed for i in masked]) if masked else None,  # type: ignore[misc]
+        only=SparseEdit.build(only),
+        bias=SparseEdit.build(bias),
+        extended=extended,
+    )
+
+
+def _prepare_controls(
+    i: int,
+    row: SamplingRow,
+    banned: list[tuple[int, np.ndarray, np.ndarray]],
+    additive: list[tuple[int, np.ndarray, np.ndarray]],
+    only: list[tuple[int, np.ndarray, np.ndarray]],
+    bias: list[tuple[int, np.ndarray, np.ndarray]],
+) -> None:
+    """Row ``i``'s DRY penalties, logit_bias, banned and allowed ids and bad-word
+    bans, into the step's sparse edits (``prepare`` adds the classic ones)."""
+    p = row.params
+    context: np.ndarray | None = None
+    if p.dry_multiplier and row.dry_breakers is not None:
+        context = np.concatenate([_ids(row.prompt_token_ids), _ids(row.output_token_ids)])
+        ids, pen = kernels.dry_penalties(
+            context,
+            row.dry_breakers,
+            multiplier=p.dry_multiplier,
+            base=DRY_DEFAULT_BASE if p.dry_base is None else p.dry_base,
+            allowed_length=(
+                DRY_DEFAULT_ALLOWED_LENGTH if p.dry_allowed_length is None else p.dry_allowed_length
+            ),
+            last_n=p.dry_penalty_last_n or 0,
+        )
+        if ids.size:
+            additive.append((i, ids, pen))
+    ban = list(p.banned_token_ids)
+    if row.bad_words:
+        if context is None:
+            context = np.concatenate([_ids(row.prompt_token_ids), _ids(row.output_token_ids)])
+        ban += kernels.bad_word_bans(context, row.bad_words)
+    if ban:  # (min_new_tokens' bans of the row may repeat some: assignments, harmless)
+        ids = np.unique(_ids(ban))
+        banned.append((i, ids, np.zeros(ids.size, dtype=np.float32)))
+    if p.allowed_token_ids:
+        ids = np.unique(_ids(p.allowed_token_ids))
+        only.append((i, ids, np.zeros(ids.size, dtype=np.float32)))
+    if p.logit_bias:
+        ids = _ids([t for t, _ in p.logit_bias])
+        bias.append((i, ids, np.asarray([v for _, v in p.logit_bias], dtype=np.float32)))
+
+
+def _summed(
+    a: tuple[int, np.ndarray, np.ndarray], b: tuple[int, np.ndarray, np.ndarray]
+) -> tuple[int, np.ndarray, np.ndarray]:
+    """One row's two additive edits as one with unique ids (values summed)."""
+    ids = np.concatenate([a[1], b[1]])
+    uniq, inv = np.unique(ids, return_inverse=True)
+    return a[0], uniq, np.bincount(inv, weights=np.concatenate([a[2], b[2]]))
+
+
+def _extended(row: SamplingRow) -> Extended:
+    p = row.params
+    state = None
+    if p.mirostat:
+        state = row.mirostat or MirostatState(2.0 * (p.mirostat_tau or MIROSTAT_DEFAULT_TAU))
+    return Extended(
+        typical_p=1.0 if p.typical_p is None else p.typical_p,
+        top_a=p.top_a or 0.0,
+        xtc_threshold=XTC_DEFAULT_THRESHOLD if p.xtc_threshold is None else p.xtc_threshold,
+        xtc_probability=p.xtc_probability or 0.0,
+        mirostat=state,
+        mirostat_tau=MIROSTAT_DEFAULT_TAU if p.mirostat_tau is None else p.mirostat_tau,
+        mirostat_eta=MIROSTAT_DEFAULT_ETA if p.mirostat_eta is None else p.mirostat_eta,
     )
 
 
@@ -210,13 +328,24 @@ def penalize(logits: np.ndarray, args: SamplingArgs) -> np.ndarray:
     Returns ``logits`` itself (unchanged) when no row needs any of them,
     otherwise a new [B, V] float32 array.
     """
-    if not (len(args.banned) or len(args.repetition) or len(args.additive)) and (
-        args.allowed is None
-    ):
+    if not (
+        len(args.banned)
+        or len(args.repetition)
+        or len(args.additive)
+        or len(args.only)
+        or len(args.bias)
+    ) and (args.allowed is None):
         return logits
     x = np.array(logits, dtype=np.float32)  # [B, V] copy: the caller's array stays intact
     v = x.shape[1]
     masked = args.allowed_rows
+    if len(args.only):
+        # allowed_token_ids: every other token -> -inf (with a constraint's mask: both)
+        r, c, _ = args.only.within(v)
+        rows = np.unique(args.only.rows)
+        keep = np.zeros((rows.size, v), dtype=bool)
+        keep[np.searchsorted(rows, r), c] = True
+        x[rows] = np.where(keep, x[rows], -np.inf)
     if args.allowed is not None:
         allowed = args.allowed[:, :v]
         x[masked] = np.where(allowed, x[masked], -np.inf)
@@ -235,6 +364,9 @@ def penalize(logits: np.ndarray, args: SamplingArgs) -> np.ndarray:
     if len(args.additive):
         r, c, sub = args.additive.within(v)
         x[r, c] -= sub
+    if len(args.bias):
+        r, c, add = args.bias.within(v)
+        x[r, c] += add
     return x
 
 
@@ -257,6 +389,11 @@ def sample(logits: np.ndarray, args: SamplingArgs) -> SampleOutput:
                 tg[dead] = fallback_tokens(raw, g[dead], args)
             tokens[g] = tg
         s = np.flatnonzero(~greedy)
+        if args.extended and s.size:
+            ext = np.asarray([args.extended[i] is not None for i in s], dtype=bool)
+            for i in s[ext]:
+                tokens[i] = _sample_extended_row(raw, x, int(i), args)
+            s = s[~ext]
         if s.size:
             rest = s
             if s.size <= ROW_PATH_MAX_ROWS:
@@ -471,6 +608,100 @@ def _sample_cut_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) 
     if j >= DRAW_BLOCK:  # rounding: the block's last token with mass
         j = int(np.flatnonzero(part)[-1])
     return b * DRAW_BLOCK + j
+
+
+def _sample_extended_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) -> int:
+    """A sampled row with a stage after top-p (top-a, typical, Mirostat, XTC).
+
+    Temperature, top-k and min-p (one floor, as on the other paths), top-p on
+    what they keep, then on the renormalised distribution in turn: top-a (drop
+    p < top_a * p_max^2), locally typical sampling (keep the tokens whose
+    surprise is nearest the entropy, until their mass reaches typical_p),
+    Mirostat v2 (drop tokens whose surprise in bits exceeds mu) and XTC (with
+    probability xtc_probability: of the tokens with p > xtc_threshold, when
+    there are two or more, drop all but the least likely). Each stage keeps at
+    least the most likely token left. Then one draw, an inverse CDF in
+    token-id order; Mirostat's mu then moves by eta times the chosen token's
+    surprise (in the final distribution) minus tau.
+
+    Draws from the row's generator: an XTC row first its coin, then every row
+    its one uniform, whatever the stages do."""
+    ext = args.extended[i]
+    assert ext is not None
+    rng = args.rngs[i]
+    coin = rng.random() if ext.xtc_probability > 0 else 1.0
+    u = rng.random()
+    v = x.shape[1]
+    xt = x[i] / args.temperature[i]  # float32 [V]
+    m = xt.max()
+    if not np.isfinite(m):  # everything masked (or NaN/inf): the raw argmax
+        return int(fallback_tokens(raw, np.array([i]), args)[0])
+    keep = np.isfinite(xt)
+    k = int(args.top_k[i])
+    if 0 < k < v:
+        keep &= xt >= np.partition(xt, v - k)[v - k]  # ties at the k-th are all kept
+    if args.min_p[i] > 0:
+        keep &= xt >= m + np.log(args.min_p[i])
+    cols = np.flatnonzero(keep)
+    e = np.exp((xt[cols] - m).astype(np.float64))
+    top_p = float(args.top_p[i])
+    if top_p < 1.0:
+        # Only tokens above (1 - top_p) * mass / V can be in the nucleus: those
+        # below hold less than 1 - top_p of the mass together.
+        total = e.sum()
+        desc = -np.sort(-e[e >= (1.0 - top_p) * total / max(e.size, 1)])
+        reached = np.cumsum(desc) >= top_p * total
+        if reached.any():
+            on = e >= desc[reached.argmax()]
+            cols, e = cols[on], e[on]
+    p = e / e.sum()
+    if ext.top_a > 0:
+        on = p >= ext.top_a * p.max() ** 2
+        cols, p = cols[on], p[on] / p[on].sum()
+    if ext.typical_p < 1.0 and p.size > 1:
+        cols, p = _typical(cols, p, ext.typical_p)
+    if ext.mirostat is not None:
+        on = -np.log2(p) <= ext.mirostat.mu
+        if not on.any():
+            on = p == p.max()
+        cols, p = cols[on], p[on] / p[on].sum()
+    if coin < ext.xtc_probability:
+        above = p > ext.xtc_threshold
+        if np.count_nonzero(above) >= 2:
+            on = ~above | (p == p[above].min())
+            cols, p = cols[on], p[on] / p[on].sum()
+    cum = np.cumsum(p)
+    j = min(int(np.searchsorted(cum, u * cum[-1], side="right")), cols.size - 1)
+    if ext.mirostat is not None:
+        surprise = -np.log2(p[j])
+        ext.mirostat.mu -= ext.mirostat_eta * (surprise - ext.mirostat_tau)
+    return int(cols[j])
+
+
+# Tokens below this probability are never in a typical set whose mass is at
+# most 1 - V * TYPICAL_TINY: their surprise is farther from the entropy (at
+# most log V) than any larger token's (see ``_typical``).
+TYPICAL_TINY = 1e-12
+
+
+def _typical(cols: np.ndarray, p: np.ndarray, typical_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """Locally typical sampling (Meister et al.): the tokens ranked by how far
+    their surprise -log p is from the entropy, the fewest whose mass reaches
+    ``typical_p`` (at least one), renormalised. Tokens below TYPICAL_TINY
+    rank after every other one (their distance exceeds -log TYPICAL_TINY -
+    H >= any other's, H <= log V), so only the rest are sorted, unless the
+    rest hold too little mass."""
+    with np.errstate(divide="ignore"):
+        surprise = -np.log(p)
+    entropy = float(np.sum(p * np.where(p > 0, surprise, 0.0)))
+    big = np.flatnonzero(p >= TYPICAL_TINY)
+    if p[big].sum() < typical_p:
+        big = np.arange(p.size)
+    order = big[np.argsort(np.abs(surprise[big] - entropy), kind="stable")]
+    reached = np.cumsum(p[order]) >= typical_p
+    last = int(reached.argmax()) if reached.any() else order.size - 1
+    kept = np.sort(order[: last + 1])
+    return cols[kept], p[kept] / p[kept].sum()
 
 
 def _row_block_sums(cols: np.ndarray, e: np.ndarray, v: int, nb: int) -> np.ndarray:

@@ -244,3 +244,89 @@ def dense_nucleus(
         ids = np.flatnonzero((e[i] >= last) & (e[i] > 0))
         parts.append((np.full(ids.size, rows[i]), ids, e[i, ids]))
     return concat_rows(parts)
+
+
+# DRY penalties past this are the same ban in practice (logits are tens at most),
+# so a match is only followed that far: the cost per step stays bounded however
+# long the repetition.
+DRY_MAX_PENALTY = 1e6
+
+
+def dry_penalties(
+    context: np.ndarray,
+    breakers: np.ndarray,
+    *,
+    multiplier: float,
+    base: float,
+    allowed_length: int,
+    last_n: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """DRY ("don't repeat yourself", as in text-generation-webui and llama.cpp):
+    the tokens whose choice now would continue a sequence that already occurred
+    in ``context`` (its last ``last_n`` tokens; 0: all), with their penalties.
+
+    For each earlier occurrence of the last token, the match length n is how
+    many tokens before it (the last token included) equal the tokens before
+    the end of the context, stopping at a sequence breaker (``breakers`` [V]
+    bool); the token that followed that occurrence gets ``multiplier *
+    base ** (n - allowed_length)`` when n >= allowed_length (its longest
+    match counts), capped at ``DRY_MAX_PENALTY``. Vectorised over the
+    occurrences; one pass per matched length."""
+    ctx = context[-last_n:] if last_n else context
+    n = ctx.size
+    v = breakers.shape[0]
+    if n < 2 or not 0 <= ctx[-1] < v or breakers[ctx[-1]]:
+        return NO_IDS, NO_VALS
+    ctx = np.clip(ctx, 0, v - 1)  # (ids past the vocabulary: never breakers, never matched)
+    idx = np.flatnonzero(ctx[:-1] == ctx[-1])
+    if not idx.size:
+        return NO_IDS, NO_VALS
+    follow = ctx[idx + 1]
+    ok = ~breakers[follow]
+    idx, follow = idx[ok], follow[ok]
+    if not idx.size:
+        return NO_IDS, NO_VALS
+    # Longest length worth measuring: past it the penalty is capped anyway.
+    extra = 0
+    if base > 1.0:
+        extra = max(int(np.ceil(np.log(DRY_MAX_PENALTY / multiplier) / np.log(base))), 0)
+    longest = allowed_length + extra
+    length = np.ones(idx.size, dtype=np.int64)
+    live = np.arange(idx.size)
+    k = 1
+    while live.size and k < longest and k < n - 1:
+        j = idx[live] - k
+        on = j >= 0
+        live, j = live[on], j[on]
+        tok = ctx[j]
+        on = (tok == ctx[n - 1 - k]) & ~breakers[tok]
+        live = live[on]
+        length[live] += 1
+        k += 1
+    hit = length >= allowed_length
+    if not hit.any():
+        return NO_IDS, NO_VALS
+    follow, length = follow[hit], length[hit]
+    order = np.lexsort((-length, follow))  # by token, longest match first
+    follow, length = follow[order], length[order]
+    first = np.concatenate(([True], follow[1:] != follow[:-1]))
+    ids, length = follow[first], length[first]
+    pen = np.minimum(
+        multiplier * np.power(float(base), (length - allowed_length).astype(np.float64)),
+        DRY_MAX_PENALTY,
+    )
+    return ids.astype(np.int64), pen.astype(np.float32)
+
+
+def bad_word_bans(context: np.ndarray, words: list[tuple[int, ...]] | tuple) -> list[int]:
+    """The last token of each bad word whose other tokens end ``context`` (a
+    one-token word: always), as vLLM's ``bad_words`` does."""
+    out = []
+    n = context.size
+    for word in words:
+        head = len(word) - 1
+        if head == 0 or (
+            head <= n and np.array_equal(context[n - head :], np.asarray(word[:-1], dtype=np.int64))
+        ):
+            out.append(int(word[-1]))
+    return out

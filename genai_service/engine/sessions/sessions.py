@@ -23,6 +23,7 @@ import binascii
 import builtins
 import hashlib
 import json
+import math
 import re
 import secrets
 import time
@@ -72,6 +73,9 @@ class Session:
     closed: bool = False
     context_overflow: str = "error"  # its turns' default at the window: "error" or "slide"
     dropped_tokens: int = 0  # history dropped by slides since creation or reset
+    # Mirostat v2's mu after the last turn that used Mirostat (the next such
+    # turn continues it); None: none did since creation, reset or rewind.
+    mirostat_mu: float | None = None
     # Non-empty once a slide moved the keys of its KV (kv/window.next_lineage):
     # its history's chunk keys chain from it.
     lineage: bytes = b""
@@ -280,6 +284,7 @@ class SessionTable:
         session.turn_ends = []
         session.dropped_tokens = 0
         session.lineage = b""
+        session.mirostat_mu = None
         session.last_used_at = self._clock()
         return session
 
@@ -304,6 +309,8 @@ class SessionTable:
             session.turns = sum(e <= end for e in session.turn_ends)
         elif end < len(session.history):
             session.turns = 0  # a record without boundaries: the cut's turn is unknown
+        if end < len(session.history):
+            session.mirostat_mu = None  # (mu is kept for the latest turn end only)
         session.history = session.history[:end]
         session.turn_ends = [e for e in session.turn_ends if e <= end]
         if session.kv is not None:
@@ -336,6 +343,7 @@ class SessionTable:
         child = self.create(idle_ttl_s, owner, metadata, parent.context_overflow)
         child.history, child.turn_ends = history, turn_ends
         child.dropped_tokens, child.lineage = parent.dropped_tokens, parent.lineage
+        child.mirostat_mu = parent.mirostat_mu if end == len(parent.history) else None
         child.turns = parent.turns if turns is None else turns
         if kv:
             child.kv, child.kv_len = kv, n
@@ -565,6 +573,7 @@ def session_record(session: Session) -> bytes:
         "context_overflow": session.context_overflow,
         "dropped_tokens": session.dropped_tokens,
         "lineage": session.lineage.hex(),
+        "mirostat_mu": session.mirostat_mu,
     }
     return json.dumps(record).encode()
 
@@ -573,6 +582,15 @@ def _overflow(value: object) -> str:
     if value not in CONTEXT_OVERFLOWS:
         raise ValueError(f"context_overflow {value!r}")
     return str(value)
+
+
+def _mu(value: object) -> float | None:
+    if value is None:
+        return None
+    mu = float(value)  # type: ignore[arg-type]
+    if not math.isfinite(mu):
+        raise ValueError(f"mirostat_mu {value!r}")
+    return mu
 
 
 def session_from_record(session_id: str, data: bytes, vocab_size: int) -> Session | None:
@@ -603,6 +621,7 @@ def session_from_record(session_id: str, data: bytes, vocab_size: int) -> Sessio
             context_overflow=_overflow(rec.get("context_overflow", "error")),
             dropped_tokens=int(rec.get("dropped_tokens", 0)),
             lineage=bytes.fromhex(str(rec.get("lineage", ""))),
+            mirostat_mu=_mu(rec.get("mirostat_mu")),
         )
     except (ValueError, KeyError, TypeError) as exc:
         log.warning("session_record_unreadable", error=str(exc))

@@ -1,0 +1,121 @@
+"""The decoding surface through the engine on the tiny model: logit_bias,
+banned and allowed ids, bad words, DRY, the extended samplers and Mirostat's
+state across session turns (the sampler's own tests: tests/unit/test_sampler_surface.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from genai_service.config import CacheConfig, EngineConfig
+from genai_service.contract.request import GenerationRequest, SamplingParams, StoppingCriteria
+from genai_service.engine.engine import LLMEngine
+from genai_service.engine.sessions.sessions import session_from_record, session_record
+from tests.tiny_model import VOCAB_SIZE, WORDS, encode_words, reference_greedy
+
+PROMPT = encode_words("the cat sat on the mat and the dog sat on the")
+
+
+def engine(model_dir: Path) -> LLMEngine:
+    return LLMEngine(EngineConfig(model_dir=str(model_dir), cache=CacheConfig(chunk_size=4)))
+
+
+def request(
+    rid: str, n: int = 12, prompt: list[int] = PROMPT, **sampling: object
+) -> GenerationRequest:
+    return GenerationRequest(
+        rid,
+        tuple(prompt),
+        sampling=SamplingParams(**sampling),  # type: ignore[arg-type]
+        stopping=StoppingCriteria(max_new_tokens=n, ignore_eos=True),
+    )
+
+
+def test_logit_bias_forces_a_token_and_bans_another(tiny_model_dir: Path) -> None:
+    eng = engine(tiny_model_dir)
+    forced = WORDS.index("box")
+    out = eng.generate(request("f", logit_bias=((forced, 100.0),)))
+    assert list(out.token_ids) == [forced] * 12
+    plain = reference_greedy(tiny_model_dir, PROMPT, 12)
+    first = plain[0]
+    out = eng.generate(request("b", logit_bias=((first, -100.0),)))
+    assert out.token_ids[0] != first
+
+
+def test_banned_and_allowed_ids_and_bad_words(tiny_model_dir: Path) -> None:
+    eng = engine(tiny_model_dir)
+    plain = reference_greedy(tiny_model_dir, PROMPT, 12)
+    out = eng.generate(request("ban", banned_token_ids=tuple(set(plain))))
+    assert not set(out.token_ids) & set(plain)
+    allowed = (WORDS.index("red"), WORDS.index("tree"))
+    out = eng.generate(request("only", temperature=1.0, seed=3, allowed_token_ids=allowed))
+    assert set(out.token_ids) <= set(allowed)
+    # A two-word bad word: its second word never follows its first.
+    a, b = plain[0], plain[1]
+    words = f"{WORDS[a]} {WORDS[b]}"
+    out = eng.generate(request("bad", bad_words=(words,)))
+    ids = list(PROMPT) + list(out.token_ids)
+    pairs = zip(ids[len(PROMPT) - 1 : -1], ids[len(PROMPT) :], strict=True)
+    assert (a, b) not in set(pairs)
+    assert list(out.token_ids) != plain
+
+
+def test_dry_at_a_prohibitive_penalty_never_repeats_a_bigram(tiny_model_dir: Path) -> None:
+    eng = engine(tiny_model_dir)
+    out = eng.generate(
+        request("dry", n=20, dry_multiplier=100.0, dry_base=10.0, dry_allowed_length=1)
+    )
+    ids = list(PROMPT) + list(out.token_ids)
+    for j in range(len(PROMPT), len(ids)):
+        earlier = set(zip(ids[: j - 1], ids[1:j], strict=True))
+        assert (ids[j - 1], ids[j]) not in earlier or len(earlier) >= VOCAB_SIZE
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"typical_p": 0.7},
+        {"top_a": 0.2},
+        {"xtc_probability": 0.5, "xtc_threshold": 0.05},
+        {"mirostat": 2, "mirostat_tau": 3.0},
+        {"top_k": 5, "top_p": 0.9, "typical_p": 0.9, "xtc_probability": 1.0, "dry_multiplier": 0.8},
+    ],
+)
+def test_the_extended_samplers_are_reproducible_with_a_seed(
+    tiny_model_dir: Path, fields: dict
+) -> None:
+    eng = engine(tiny_model_dir)
+    a = eng.generate(request("a", temperature=1.0, seed=11, **fields))
+    # The same request beside others in one batch: the same tokens.
+    results = eng.run_to_completion(
+        [
+            request("x", temperature=0.8, seed=1),
+            request("b", temperature=1.0, seed=11, **fields),
+            request("y"),
+        ]
+    )
+    assert results["b"].token_ids == a.token_ids
+    assert len(a.token_ids) == 12
+
+
+def test_mirostat_mu_continues_across_session_turns_and_in_the_record(
+    tiny_model_dir: Path,
+) -> None:
+    eng = engine(tiny_model_dir)
+    sid = eng.wait(eng.create_session()).session_id
+    miro = {"temperature": 1.0, "seed": 5, "mirostat": 2, "mirostat_tau": 2.0}
+    eng.generate(dataclasses.replace(request("t1", **miro), session_id=sid))
+    session = eng.sessions.get(sid)
+    mu1 = session.mirostat_mu
+    assert mu1 is not None and mu1 != 4.0  # moved from 2 tau
+    restored = session_from_record(sid, session_record(session), VOCAB_SIZE)
+    assert restored is not None and restored.mirostat_mu == mu1
+    eng.generate(
+        dataclasses.replace(request("t2", prompt=encode_words("and"), **miro), session_id=sid)
+    )
+    mu2 = eng.sessions.get(sid).mirostat_mu
+    assert mu2 is not None and mu2 != mu1
+    eng.wait(eng.reset_session(sid))
+    assert eng.sessions.get(sid).mirostat_mu is None
