@@ -27,7 +27,13 @@ class GenerateOptions(TypedDict, total=False):
 
     Sampling: ``temperature`` (None/0: greedy), ``top_k``, ``top_p``,
     ``min_p``, ``repetition_penalty``, ``frequency_penalty``,
-    ``presence_penalty``, ``seed``.
+    ``presence_penalty``, ``seed``; ``repetition_penalty_last_n``,
+    ``typical_p``, ``top_a``, ``xtc_threshold``, ``xtc_probability``,
+    ``dry_multiplier``, ``dry_base``, ``dry_allowed_length``,
+    ``dry_penalty_last_n``, ``dry_sequence_breakers``, ``mirostat`` (2:
+    Mirostat v2), ``mirostat_tau``, ``mirostat_eta``; logit controls:
+    ``logit_bias`` (a mapping of token id to bias, in [-100, 100]),
+    ``banned_token_ids``, ``allowed_token_ids``, ``bad_words``.
 
     Stopping: ``max_new_tokens``, ``min_new_tokens``, ``stop`` (a string or a
     list of stop sequences), ``stop_token_ids``, ``ignore_eos``,
@@ -66,6 +72,23 @@ class GenerateOptions(TypedDict, total=False):
     frequency_penalty: float | None
     presence_penalty: float | None
     seed: int | None
+    repetition_penalty_last_n: int | None
+    typical_p: float | None
+    top_a: float | None
+    xtc_threshold: float | None
+    xtc_probability: float | None
+    dry_multiplier: float | None
+    dry_base: float | None
+    dry_allowed_length: int | None
+    dry_penalty_last_n: int | None
+    dry_sequence_breakers: Sequence[str] | None
+    mirostat: int | None
+    mirostat_tau: float | None
+    mirostat_eta: float | None
+    logit_bias: Mapping[int, float] | None
+    banned_token_ids: Sequence[int] | None
+    allowed_token_ids: Sequence[int] | None
+    bad_words: Sequence[str] | None
     stop: str | Sequence[str] | None
     stop_token_ids: Sequence[int] | None
     ignore_eos: bool | None
@@ -183,6 +206,23 @@ def generate_request(
     frequency_penalty: float | None = None,
     presence_penalty: float | None = None,
     seed: int | None = None,
+    repetition_penalty_last_n: int | None = None,
+    typical_p: float | None = None,
+    top_a: float | None = None,
+    xtc_threshold: float | None = None,
+    xtc_probability: float | None = None,
+    dry_multiplier: float | None = None,
+    dry_base: float | None = None,
+    dry_allowed_length: int | None = None,
+    dry_penalty_last_n: int | None = None,
+    dry_sequence_breakers: Sequence[str] | None = None,
+    mirostat: int | None = None,
+    mirostat_tau: float | None = None,
+    mirostat_eta: float | None = None,
+    logit_bias: Mapping[int, float] | None = None,
+    banned_token_ids: Sequence[int] | None = None,
+    allowed_token_ids: Sequence[int] | None = None,
+    bad_words: Sequence[str] | None = None,
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     ignore_eos: bool | None = None,
@@ -246,7 +286,32 @@ def generate_request(
         frequency_penalty=frequency_penalty,
         presence_penalty=presence_penalty,
         seed=seed,
+        repetition_penalty_last_n=repetition_penalty_last_n,
+        typical_p=typical_p,
+        top_a=top_a,
+        xtc_threshold=xtc_threshold,
+        xtc_probability=xtc_probability,
+        dry_multiplier=dry_multiplier,
+        dry_base=dry_base,
+        dry_allowed_length=dry_allowed_length,
+        dry_penalty_last_n=dry_penalty_last_n,
+        mirostat=mirostat,
+        mirostat_tau=mirostat_tau,
+        mirostat_eta=mirostat_eta,
     )
+    if dry_sequence_breakers:
+        sampling.dry_sequence_breakers.extend(dry_sequence_breakers)
+    if logit_bias:
+        for token, bias in logit_bias.items():
+            sampling.logit_bias[int(token)] = float(bias)
+    if banned_token_ids:
+        sampling.banned_token_ids.extend(banned_token_ids)
+    if allowed_token_ids:
+        sampling.allowed_token_ids.extend(allowed_token_ids)
+    if bad_words:
+        if isinstance(bad_words, str):
+            raise ValueError("bad_words: give a list of strings, not one string")
+        sampling.bad_words.extend(bad_words)
     if sampling.ListFields():
         request.sampling.CopyFrom(sampling)
     stopping = generate_pb2.StoppingCriteria()

@@ -48,6 +48,18 @@ _VALUE_FLAGS: list[tuple[str, Any, str]] = [
     ("--frequency-penalty", float, "subtracted per occurrence in the output (0: off)"),
     ("--presence-penalty", float, "subtracted once a token occurs in the output (0: off)"),
     ("--seed", int, "random seed (same seed, same tokens)"),
+    ("--repetition-penalty-last-n", int, "window of --repetition-penalty (0: whole context)"),
+    ("--typical-p", float, "locally typical sampling mass, in (0, 1]"),
+    ("--top-a", float, "drop tokens below TOP_A times the top probability squared"),
+    ("--xtc-threshold", float, "XTC: tokens above this probability are top choices"),
+    ("--xtc-probability", float, "XTC: chance per step of dropping all top choices but one"),
+    ("--dry-multiplier", float, "DRY repetition penalty strength (0: off)"),
+    ("--dry-base", float, "DRY: penalty base, per token past --dry-allowed-length"),
+    ("--dry-allowed-length", int, "DRY: repeats up to this long are free"),
+    ("--dry-penalty-last-n", int, "DRY: how far back to look (0: whole context)"),
+    ("--mirostat", int, "2: Mirostat v2 (0: off)"),
+    ("--mirostat-tau", float, "Mirostat: target surprise in bits"),
+    ("--mirostat-eta", float, "Mirostat: learning rate"),
     ("--time-limit-ms", int, "wall-clock budget in milliseconds"),
     ("--top-logprobs", int, "return logprobs with N alternatives per token"),
 ]
@@ -67,6 +79,11 @@ _OPTION_KEYS = [flag[2:].replace("-", "_") for flag, _, _ in _VALUE_FLAGS] + [
     "json_object",
     "tools",
     "tool_choice",
+    "dry_sequence_breakers",
+    "logit_bias",
+    "banned_token_ids",
+    "allowed_token_ids",
+    "bad_words",
 ]
 
 
@@ -100,6 +117,16 @@ def _int_list(text: str) -> list[int]:
         ) from None
 
 
+def _bias(text: str) -> tuple[int, float]:
+    token, sep, value = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID:BIAS, got {text!r}") from None
+
+
 def _key_value(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -113,6 +140,29 @@ def _generation_flags() -> argparse.ArgumentParser:
     for flag, kind, help_text in _VALUE_FLAGS:
         group.add_argument(flag, type=kind, help=help_text, metavar="N" if kind is int else "F")
     group.add_argument("--stop", action="append", metavar="S", help="stop sequence (repeatable)")
+    group.add_argument(
+        "--dry-sequence-breaker",
+        dest="dry_sequence_breakers",
+        action="append",
+        metavar="S",
+        help='DRY: a string that breaks a repeat (repeatable; default \\n : " *)',
+    )
+    group.add_argument(
+        "--logit-bias",
+        type=_bias,
+        action="append",
+        metavar="ID:BIAS",
+        help="add BIAS (in [-100, 100]) to a token's logit, e.g. 42:-100 (repeatable)",
+    )
+    group.add_argument(
+        "--banned-token-ids", type=_int_list, metavar="IDS", help="token ids never generated"
+    )
+    group.add_argument(
+        "--allowed-token-ids", type=_int_list, metavar="IDS", help="the only token ids generated"
+    )
+    group.add_argument(
+        "--bad-word", dest="bad_words", action="append", metavar="W", help="never generated"
+    )
     group.add_argument(
         "--stop-token-ids",
         type=_int_list,
@@ -297,7 +347,10 @@ def _client(args: argparse.Namespace) -> Client:
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
-    return {key: getattr(args, key) for key in _OPTION_KEYS if getattr(args, key) is not None}
+    options = {key: getattr(args, key) for key in _OPTION_KEYS if getattr(args, key) is not None}
+    if "logit_bias" in options:  # repeated ID:BIAS pairs; the last one for an id wins
+        options["logit_bias"] = dict(options["logit_bias"])
+    return options
 
 
 def _jsonable(value: Any) -> Any:

@@ -815,3 +815,47 @@ def test_cli_chat(
     assert captured.out == "system:S|user:hi|\nsystem:S|user:yo|\n"  # system again after reset
     assert captured.err.count("tokens/s") == 2 and "(history cleared)" in captured.err
     assert set(fake.state.sessions) == before  # the chat's session was closed
+
+
+def test_the_decoding_surface_reaches_the_wire_from_the_client_and_the_cli(
+    client: Client, fake: Fake, capsys: pytest.CaptureFixture[str]
+) -> None:
+    client.generate(
+        "x",
+        typical_p=0.9,
+        top_a=0.2,
+        xtc_threshold=0.1,
+        xtc_probability=0.5,
+        dry_multiplier=0.8,
+        dry_base=1.75,
+        dry_allowed_length=2,
+        dry_penalty_last_n=64,
+        dry_sequence_breakers=["\n", ":"],
+        mirostat=2,
+        mirostat_tau=5.0,
+        mirostat_eta=0.1,
+        repetition_penalty_last_n=32,
+        logit_bias={42: -100, 7: 2.5},
+        banned_token_ids=[1, 2],
+        allowed_token_ids=[3, 4, 5],
+        bad_words=["foo bar"],
+    )
+    s = fake.state.requests[-1].sampling
+    assert (s.mirostat, s.dry_allowed_length, s.dry_penalty_last_n) == (2, 2, 64)
+    assert s.repetition_penalty_last_n == 32
+    assert abs(s.typical_p - 0.9) < 1e-6 and abs(s.xtc_probability - 0.5) < 1e-6
+    assert dict(s.logit_bias) == {42: -100.0, 7: 2.5}
+    assert list(s.dry_sequence_breakers) == ["\n", ":"]
+    assert (list(s.banned_token_ids), list(s.allowed_token_ids)) == ([1, 2], [3, 4, 5])
+    assert list(s.bad_words) == ["foo bar"]
+    argv = ["--target", fake.target, "generate", "hi", "--typical-p", "0.8", "--mirostat", "2"]
+    argv += ["--logit-bias", "42:-100", "--logit-bias", "9:1.5", "--bad-word", "no"]
+    argv += ["--dry-multiplier", "0.5", "--dry-sequence-breaker", "|", "--banned-token-ids", "3,4"]
+    assert cli_main(argv) == 0
+    capsys.readouterr()
+    s = fake.state.requests[-1].sampling
+    assert dict(s.logit_bias) == {42: -100.0, 9: 1.5} and s.mirostat == 2
+    assert list(s.bad_words) == ["no"] and list(s.dry_sequence_breakers) == ["|"]
+    assert list(s.banned_token_ids) == [3, 4] and abs(s.dry_multiplier - 0.5) < 1e-6
+    with pytest.raises(SystemExit):
+        cli_main(["--target", fake.target, "generate", "hi", "--logit-bias", "42"])

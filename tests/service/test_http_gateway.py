@@ -573,3 +573,57 @@ def test_a_huge_max_tokens_is_named_with_its_own_value(client: openai.OpenAI) ->
     assert err.value.body["message"] == (  # type: ignore[index]
         "max_tokens: 1000000000000 is out of range; allowed [1, 4294967295]"
     )
+
+
+def test_logit_bias_and_the_extra_samplers_over_http_and_grpc(
+    client: openai.OpenAI, server: ServerThread
+) -> None:
+    with Client(server.target) as grpc:
+        x = grpc.tokenize("x", add_special_tokens=False)[0].id
+        # OpenAI's logit_bias (token ids as keys): +100 forces the token.
+        r = client.completions.create(
+            model="any", prompt="abc", max_tokens=5, temperature=0, logit_bias={str(x): 100}
+        )
+        assert r.choices[0].text == "xxxxx"
+        chat = client.chat.completions.create(
+            model="any", messages=CHAT, max_tokens=3, temperature=0.9, seed=3,
+            logit_bias={str(x): 100},
+        )  # fmt: skip
+        assert chat.choices[0].message.content == "xxx"
+        # llama.cpp's and vLLM's extras, as extra body fields: the same tokens as
+        # the same fields through gRPC.
+        extras = {
+            "typical_p": 0.9,
+            "top_a": 0.1,
+            "xtc_probability": 0.5,
+            "xtc_threshold": 0.05,
+            "dry_multiplier": 0.8,
+            "dry_sequence_breakers": ["\n"],
+            "mirostat": 2,
+            "mirostat_tau": 4.0,
+            "repetition_penalty_last_n": 16,
+            "banned_token_ids": [x],
+            "bad_words": ["ab"],
+        }
+        r = client.completions.create(
+            model="any", prompt="abc", max_tokens=12, temperature=1.0, seed=5, extra_body=extras
+        )
+        same = grpc.generate(
+            "abc", max_new_tokens=12, temperature=1.0, seed=5, ignore_eos=False, **extras
+        )
+        assert r.choices[0].text == same.text
+        assert "x" not in same.text
+    for body, param, message in [
+        ({"logit_bias": {"x": 1}}, "logit_bias", 'logit_bias: key "x" is not a token id'),
+        ({"logit_bias": {"3": 101}}, "logit_bias[3]", "logit_bias[3]: 101.0 is out of range"),
+        ({"mirostat": 1}, "mirostat", "mirostat: 1 is not a known value (Mirostat v1"),
+        ({"typical_p": 0}, "typical_p", "typical_p: 0.0 is out of range; allowed (0, 1]"),
+        ({"bad_words": "ab"}, "bad_words", 'bad_words: "ab" is not an array'),
+        ({"banned_token_ids": [-1]}, "banned_token_ids[0]", "banned_token_ids[0]: -1 is not a"),
+    ]:
+        status, answer = call(
+            server, "POST", "/v1/completions", {"model": "any", "prompt": "a", **body}
+        )
+        assert status == 400, (body, answer)
+        assert answer["error"]["message"].startswith(message), answer
+        assert answer["error"]["param"] == param, answer

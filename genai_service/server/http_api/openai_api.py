@@ -27,6 +27,28 @@ _SAMPLING = {
     "top_k": "top_k",
     "min_p": "min_p",
     "repetition_penalty": "repetition_penalty",
+    # llama.cpp's and text-generation-webui's samplers, by our names (docs/api.md)
+    "typical_p": "typical_p",
+    "top_a": "top_a",
+    "xtc_threshold": "xtc_threshold",
+    "xtc_probability": "xtc_probability",
+    "dry_multiplier": "dry_multiplier",
+    "dry_base": "dry_base",
+    "mirostat_tau": "mirostat_tau",
+    "mirostat_eta": "mirostat_eta",
+}
+# Non-negative integers of SamplingParams, and its lists (JSON arrays of this type).
+_SAMPLING_INTEGERS = (
+    "repetition_penalty_last_n",
+    "dry_allowed_length",
+    "dry_penalty_last_n",
+    "mirostat",
+)
+_SAMPLING_LISTS = {
+    "dry_sequence_breakers": "string",
+    "banned_token_ids": "integer",
+    "allowed_token_ids": "integer",
+    "bad_words": "string",
 }
 # Accepted and checked for type, with no effect on the answer: what the OpenAI
 # SDKs and agent frameworks send for features this server has no use for (one
@@ -60,6 +82,8 @@ _JSON_TYPES: dict[str, Callable[[Any], bool]] = {
 MAX_TEMPERATURE = 2.0
 _COMMON = {
     *_SAMPLING,
+    *_SAMPLING_INTEGERS,
+    *_SAMPLING_LISTS,
     *_IGNORED,
     "seed",
     "stop",
@@ -199,8 +223,6 @@ def parse(kind: str, body: Any, session_id: str = "", overflow: str = "") -> Cal
     best_of = _integer(body, "best_of")
     if best_of is not None and best_of != 1:
         raise InvalidArgument(f"best_of: {best_of} is not supported; allowed 1")
-    if _object(body, "logit_bias"):
-        raise InvalidArgument("logit_bias: is not supported; send {} or leave it out")
     call.stream = bool(_boolean(body, "stream"))
     options = _object(body, "stream_options")
     if options is not None:
@@ -256,6 +278,41 @@ def _sampling(body: Mapping[str, Any], request: generate_pb2.GenerateRequest) ->
     seed = _non_negative("seed", _integer(body, "seed"))
     if seed is not None:
         s.seed = seed % 2**64
+    for name in _SAMPLING_INTEGERS:
+        value = _non_negative(name, _integer(body, name))
+        if value is not None:
+            if value >= 2**32:
+                raise InvalidArgument(f"{name}: {value} is out of range; allowed [0, 4294967295]")
+            setattr(s, name, value)
+    for name, item in _SAMPLING_LISTS.items():
+        values = _list_of(body, name, item)
+        if values:
+            getattr(s, name).extend(values)
+    bias = _object(body, "logit_bias")
+    for key, value in (bias or {}).items():
+        # OpenAI's form: token ids as JSON object keys (strings), biases in [-100, 100].
+        if not key.isdigit() or int(key) >= 2**32:
+            raise InvalidArgument(f"logit_bias: key {json.dumps(key)[:40]} is not a token id")
+        if not _is_number(value):
+            raise InvalidArgument(f"logit_bias.{key}: {json.dumps(value)[:80]} is not a number")
+        s.logit_bias[int(key)] = float(value)
+
+
+def _list_of(body: Mapping[str, Any], name: str, item: str) -> list[Any] | None:
+    """A JSON array of strings or of non-negative 32-bit integers."""
+    values = body.get(name)
+    if values is None:
+        return None
+    if not isinstance(values, list):
+        raise InvalidArgument(f"{name}: {json.dumps(values)[:80]} is not an array")
+    for i, v in enumerate(values):
+        if item == "string" and not isinstance(v, str):
+            raise InvalidArgument(f"{name}[{i}]: {json.dumps(v)[:80]} is not a string")
+        if item == "integer" and not (
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**32
+        ):
+            raise InvalidArgument(f"{name}[{i}]: {json.dumps(v)[:80]} is not a token id")
+    return values
 
 
 def _stopping(body: Mapping[str, Any], call: Call) -> None:
