@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"strings"
 
+	"google.golang.org/protobuf/proto"
+
 	pb "github.com/genai-grpc/genai-grpc/clients/go/gen/genai/v1"
 )
 
@@ -63,6 +65,27 @@ type Request struct {
 	FrequencyPenalty  *float32
 	PresencePenalty   *float32
 	Seed              *uint64
+
+	// The rest of the decoding surface (generate.proto's SamplingParams has
+	// the semantics and ranges); nil or empty is off.
+	RepetitionPenaltyLastN *uint32
+	TypicalP               *float32
+	TopA                   *float32
+	XTCThreshold           *float32
+	XTCProbability         *float32
+	DRYMultiplier          *float32
+	DRYBase                *float32
+	DRYAllowedLength       *uint32
+	DRYPenaltyLastN        *uint32
+	DRYSequenceBreakers    []string
+	Mirostat               *uint32 // 2: Mirostat v2
+	MirostatTau            *float32
+	MirostatEta            *float32
+	// LogitBias is added to those token ids' logits, each in [-100, 100].
+	LogitBias       map[uint32]float32
+	BannedTokenIDs  []uint32
+	AllowedTokenIDs []uint32
+	BadWords        []string
 
 	// Stopping.
 	MaxNewTokens        *uint32
@@ -211,14 +234,20 @@ func (r *Request) Proto() (*pb.GenerateRequest, error) {
 		return nil, err
 	}
 	out.ContextOverflow = overflow
-	if r.Temperature != nil || r.TopK != nil || r.TopP != nil || r.MinP != nil ||
-		r.RepetitionPenalty != nil || r.FrequencyPenalty != nil || r.PresencePenalty != nil ||
-		r.Seed != nil {
-		out.Sampling = &pb.SamplingParams{
-			Temperature: r.Temperature, TopK: r.TopK, TopP: r.TopP, MinP: r.MinP,
-			RepetitionPenalty: r.RepetitionPenalty, FrequencyPenalty: r.FrequencyPenalty,
-			PresencePenalty: r.PresencePenalty, Seed: r.Seed,
-		}
+	sampling := &pb.SamplingParams{
+		Temperature: r.Temperature, TopK: r.TopK, TopP: r.TopP, MinP: r.MinP,
+		RepetitionPenalty: r.RepetitionPenalty, FrequencyPenalty: r.FrequencyPenalty,
+		PresencePenalty: r.PresencePenalty, Seed: r.Seed,
+		RepetitionPenaltyLastN: r.RepetitionPenaltyLastN, TypicalP: r.TypicalP, TopA: r.TopA,
+		XtcThreshold: r.XTCThreshold, XtcProbability: r.XTCProbability,
+		DryMultiplier: r.DRYMultiplier, DryBase: r.DRYBase, DryAllowedLength: r.DRYAllowedLength,
+		DryPenaltyLastN: r.DRYPenaltyLastN, DrySequenceBreakers: r.DRYSequenceBreakers,
+		Mirostat: r.Mirostat, MirostatTau: r.MirostatTau, MirostatEta: r.MirostatEta,
+		LogitBias: r.LogitBias, BannedTokenIds: r.BannedTokenIDs,
+		AllowedTokenIds: r.AllowedTokenIDs, BadWords: r.BadWords,
+	}
+	if proto.Size(sampling) > 0 {
+		out.Sampling = sampling
 	}
 	if r.MaxNewTokens != nil || r.MinNewTokens != 0 || r.Stop != nil || r.StopTokenIDs != nil ||
 		r.IgnoreEOS || r.IncludeStopSequence || r.TimeLimitMs != nil {

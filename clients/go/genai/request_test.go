@@ -34,6 +34,24 @@ func TestRequestProtoSetsOnlyWhatIsGiven(t *testing.T) {
 	}
 }
 
+func TestRequestProtoCarriesTheDecodingSurface(t *testing.T) {
+	req, err := (&Request{
+		Prompt: "hi", TypicalP: Ptr[float32](0.9), Mirostat: Ptr[uint32](2),
+		DRYMultiplier: Ptr[float32](0.8), DRYSequenceBreakers: []string{"\n"},
+		LogitBias: map[uint32]float32{42: -100}, BannedTokenIDs: []uint32{1},
+		AllowedTokenIDs: []uint32{2, 3}, BadWords: []string{"no"},
+	}).Proto()
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := req.GetSampling()
+	if s.GetTypicalP() != 0.9 || s.GetMirostat() != 2 || s.GetDryMultiplier() != 0.8 ||
+		s.GetDrySequenceBreakers()[0] != "\n" || s.GetLogitBias()[42] != -100 ||
+		len(s.GetBannedTokenIds()) != 1 || len(s.GetAllowedTokenIds()) != 2 || s.GetBadWords()[0] != "no" {
+		t.Fatalf("decoding options lost: %v", s)
+	}
+}
+
 func TestRequestProtoRefusesAmbiguousInput(t *testing.T) {
 	for _, r := range []*Request{{}, {Prompt: "a", TokenIDs: []uint32{1}}, {Prompt: "a", Regex: "x", Grammar: "y"}, {Prompt: "a", Priority: "urgent"}} {
 		if _, err := r.Proto(); err == nil {

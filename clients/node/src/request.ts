@@ -45,6 +45,26 @@ export interface GenerateOptions {
   frequencyPenalty?: number;
   presencePenalty?: number;
   seed?: number | bigint;
+  // the rest of the decoding surface (generate.proto's SamplingParams)
+  repetitionPenaltyLastN?: number;
+  typicalP?: number;
+  topA?: number;
+  xtcThreshold?: number;
+  xtcProbability?: number;
+  dryMultiplier?: number;
+  dryBase?: number;
+  dryAllowedLength?: number;
+  dryPenaltyLastN?: number;
+  drySequenceBreakers?: readonly string[];
+  /** 2: Mirostat v2. */
+  mirostat?: number;
+  mirostatTau?: number;
+  mirostatEta?: number;
+  /** Token id -> bias added to its logit, in [-100, 100]. */
+  logitBias?: Readonly<Record<number, number>> | ReadonlyMap<number, number>;
+  bannedTokenIds?: readonly number[];
+  allowedTokenIds?: readonly number[];
+  badWords?: readonly string[];
   // stopping
   maxNewTokens?: number;
   minNewTokens?: number;
@@ -81,7 +101,10 @@ export interface GenerateOptions {
 
 const OPTION_NAMES: ReadonlySet<string> = new Set([
   "prompt", "tokenIds", "messages", "sessionId", "temperature", "topK", "topP", "minP",
-  "repetitionPenalty", "frequencyPenalty", "presencePenalty", "seed", "maxNewTokens",
+  "repetitionPenalty", "frequencyPenalty", "presencePenalty", "seed",
+  "repetitionPenaltyLastN", "typicalP", "topA", "xtcThreshold", "xtcProbability", "dryMultiplier",
+  "dryBase", "dryAllowedLength", "dryPenaltyLastN", "drySequenceBreakers", "mirostat", "mirostatTau",
+  "mirostatEta", "logitBias", "bannedTokenIds", "allowedTokenIds", "badWords", "maxNewTokens",
   "minNewTokens", "stop", "stopTokenIds", "ignoreEos", "includeStopSequence", "timeLimitMs",
   "topLogprobs", "priority", "addSpecialTokens", "skipSpecialTokens", "requestId", "cacheSalt",
   "truncatePromptTokens", "contextOverflow", "jsonSchema", "regex", "grammar", "choice", "jsonObject", "tools", "toolChoice",
@@ -189,6 +212,19 @@ function defined<T extends object>(fields: T): Partial<T> | undefined {
   return Object.keys(out).length ? out : undefined;
 }
 
+function nonEmpty<T>(values: readonly T[] | undefined): T[] | undefined {
+  return values === undefined || values.length === 0 ? undefined : [...values];
+}
+
+function logitBias(
+  bias: Readonly<Record<number, number>> | ReadonlyMap<number, number> | undefined,
+): { [key: number]: number } | undefined {
+  if (bias === undefined) return undefined;
+  const entries = bias instanceof Map ? [...bias.entries()] : Object.entries(bias);
+  if (entries.length === 0) return undefined;
+  return Object.fromEntries(entries.map(([k, v]) => [Number(k), Number(v)]));
+}
+
 /** A GenerateRequest from the options (a string is a plain-text prompt). */
 export function generateRequest(options: GenerateOptions | string): GenerateRequest {
   const o: GenerateOptions = typeof options === "string" ? { prompt: options } : options;
@@ -208,6 +244,23 @@ export function generateRequest(options: GenerateOptions | string): GenerateRequ
     frequencyPenalty: o.frequencyPenalty,
     presencePenalty: o.presencePenalty,
     seed: o.seed === undefined ? undefined : BigInt(o.seed),
+    repetitionPenaltyLastN: o.repetitionPenaltyLastN,
+    typicalP: o.typicalP,
+    topA: o.topA,
+    xtcThreshold: o.xtcThreshold,
+    xtcProbability: o.xtcProbability,
+    dryMultiplier: o.dryMultiplier,
+    dryBase: o.dryBase,
+    dryAllowedLength: o.dryAllowedLength,
+    dryPenaltyLastN: o.dryPenaltyLastN,
+    drySequenceBreakers: nonEmpty(o.drySequenceBreakers),
+    mirostat: o.mirostat,
+    mirostatTau: o.mirostatTau,
+    mirostatEta: o.mirostatEta,
+    logitBias: logitBias(o.logitBias),
+    bannedTokenIds: nonEmpty(o.bannedTokenIds),
+    allowedTokenIds: nonEmpty(o.allowedTokenIds),
+    badWords: nonEmpty(o.badWords),
   });
   const stopping = defined({
     maxNewTokens: o.maxNewTokens,

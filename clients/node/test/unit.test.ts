@@ -23,6 +23,23 @@ const EVERY_FIELD: GenerateOptions = {
   frequencyPenalty: 0.2,
   presencePenalty: 0.3,
   seed: 2n ** 63n + 5n,
+  repetitionPenaltyLastN: 64,
+  typicalP: 0.9,
+  topA: 0.2,
+  xtcThreshold: 0.1,
+  xtcProbability: 0.5,
+  dryMultiplier: 0.8,
+  dryBase: 1.75,
+  dryAllowedLength: 2,
+  dryPenaltyLastN: 128,
+  drySequenceBreakers: ["\n", ":"],
+  mirostat: 2,
+  mirostatTau: 5,
+  mirostatEta: 0.1,
+  logitBias: { 42: -100, 7: 2.5 },
+  bannedTokenIds: [1],
+  allowedTokenIds: [2, 3],
+  badWords: ["no"],
   maxNewTokens: 7,
   minNewTokens: 1,
   stop: ["."],
@@ -48,6 +65,12 @@ test("every field survives encode/decode and the JSON form, under both spellings
   // floats travel as float32
   assert.deepEqual({ ...decoded, sampling: undefined }, { ...request, sampling: undefined });
   assert.equal(decoded.sampling?.topK, 3);
+  assert.equal(decoded.sampling?.mirostat, 2);
+  assert.equal(decoded.sampling?.dryAllowedLength, 2);
+  assert.deepEqual(decoded.sampling?.logitBias, { 42: -100, 7: 2.5 });
+  assert.deepEqual(decoded.sampling?.drySequenceBreakers, ["\n", ":"]);
+  assert.deepEqual(decoded.sampling?.allowedTokenIds, [2, 3]);
+  assert.deepEqual(decoded.sampling?.badWords, ["no"]);
   assert.equal(decoded.stopping?.maxNewTokens, 7);
   assert.equal(decoded.stopping?.timeLimitMs, 500);
   assert.deepEqual(decoded.constraint?.choice, { choices: ["yes", "no"] });
