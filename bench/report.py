@@ -234,6 +234,45 @@ def _fewer_streams_targets(shape: str, levels: dict, top: str) -> list[dict]:
     return out
 
 
+def _surface_targets(r: Results) -> list[dict]:
+    sf = r["surface"]
+    return [
+        _target(
+            f"{sf['streams']} streams, {sf['shape']}, sampled + DRY + XTC + logit_bias: "
+            "total tok/s ≥ 0.9× the same row without them",
+            _ratio(sf["surface"]["agg_tok_s"], sf["plain"]["agg_tok_s"]),
+            0.9,
+            _ge,
+        )
+    ]
+
+
+def _surface_md(r: Results) -> list[str]:
+    sf = r["surface"]
+    plain, ext = sf["plain"], sf["surface"]
+    return [
+        f"### The decoding surface: {sf['streams']} streams of {sf['shape']}, sampled, with "
+        "and without DRY + XTC + logit_bias",
+        "",
+        "Through the server, each side on prompts of its own (nothing cached); added fields: "
+        f"`{sf['fields']}`.",
+        "",
+        *_table(
+            ["row", "tok/s", "p50 TTFT (s)", "p99 TTFT (s)", "vs plain"],
+            [
+                ["sampled", plain["agg_tok_s"], plain["ttft_p50_s"], plain["ttft_p99_s"], 1.0],
+                [
+                    "sampled + DRY + XTC + logit_bias",
+                    ext["agg_tok_s"],
+                    ext["ttft_p50_s"],
+                    ext["ttft_p99_s"],
+                    _ratio(ext["agg_tok_s"], plain["agg_tok_s"]),
+                ],
+            ],
+        ),
+    ]
+
+
 def _long_targets(r: Results) -> list[dict]:
     long = r["long"]
     ctx = long["prompt_tokens"] + long["new_tokens"]
@@ -1000,6 +1039,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("single", _single_targets, _single_md),
     Section("sessions", _sessions_targets, _sessions_md),
     Section("concurrency", _concurrency_targets, _concurrency_md),
+    Section("surface", _surface_targets, _surface_md),
     Section("long", _long_targets, lambda r: _long(r["long"])),
     Section("llama_server", _llama_targets, lambda r: _llama(r["llama_server"])),
     # CPU per token, from the single and concurrency sections' /proc readings.

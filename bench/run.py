@@ -46,6 +46,7 @@ SECTIONS = (
     "single",
     "sessions",
     "concurrency",
+    "surface",
     "long",
     "speculation",
     "llama_server",

@@ -43,6 +43,7 @@ from .ours import (
 from .procs import CpuLedger, ProcCpu, wait_quiet
 from .workload import (
     SAMPLINGS,
+    SURFACE,
     Plan,
     TokenSource,
     Workload,
@@ -659,6 +660,50 @@ class Bench:
                 for n, lv in levels.items()
             },
             "rss": rss,
+        }
+
+    # -- 3c. the decoding surface -----------------------------------------------------------
+
+    def surface(self) -> dict:
+        """The sampled row at the first shape's most streams with DRY, XTC and
+        logit_bias set (``workload.SURFACE``), against the same row without them,
+        through the server, on fresh prompts (nothing cached from the other rows)."""
+        (prompt_len, new), levels = next(iter(self.workload.concurrency.items()))
+        n = max(levels)
+        cpu = {"plain": self._server_cpu(), "surface": self._server_cpu()}
+
+        def fresh() -> list[list[int]]:
+            return [self.source.take(prompt_len) for _ in range(n)]
+
+        def run(prompts: list[list[int]]) -> tuple[dict[str, Any], float]:
+            plain = [self._sampling("sampled") for _ in prompts]
+            extended = [{**p, **SURFACE} for p in plain if p is not None]  # the same seeds
+            calls: Calls = {
+                "plain": (server_concurrent, (self._target, prompts, new, plain), {}),
+                "surface": (server_concurrent, (self._target, fresh(), new, extended), {}),
+            }
+            out, worst = self._run_in_turn(calls, cpu)
+            return {
+                name: {
+                    **concurrency_stats(r["submit"], r["streams"]),
+                    "foreign_cores": r["foreign_cores"],
+                    "cpu_s": r.get("cpu_s", {}),
+                }
+                for name, r in out.items()
+            }, worst
+
+        sinks: dict[str, list[dict]] = {}
+        for rep in range(self.plan.reps):
+            results = self._rep(f"surface x{n} rep {rep}", fresh(), fresh, run)
+            for name, result in results.items():
+                sinks.setdefault(name, []).append(result)
+            log.info("surface", streams=n, rep=rep)
+        keys = ("agg_tok_s", "ttft_p50_s", "ttft_p99_s")
+        return {
+            "shape": f"{prompt_len}-token prompts + {new} new tokens",
+            "streams": n,
+            "fields": SURFACE,
+            **{name: _summary(v, keys) for name, v in sinks.items()},
         }
 
     # -- 4. speculative decoding ---------------------------------------------------------------

@@ -152,6 +152,16 @@ SAMPLINGS = {
 }
 
 
+# The ``surface`` section's extra fields on top of the sampled row (issue 26):
+# DRY, XTC and a few logit biases (JSON-safe: the results keep them).
+SURFACE = {
+    "dry_multiplier": 0.8,
+    "xtc_probability": 0.5,
+    "xtc_threshold": 0.1,
+    "logit_bias": {100: -5.0, 200: 2.0, 300: -100.0},
+}
+
+
 @dataclass(frozen=True)
 class Plan:
     """What one run measures (the shape of every measurement)."""
