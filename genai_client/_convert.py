@@ -316,6 +316,7 @@ def model_info_from_proto(info: model_pb2.ModelInfo) -> ModelInfo:
         runner_kind="" if runner == "UNSPECIFIED" else runner,
         has_chat_template=info.has_chat_template,
         kv_chunk_size=info.kv_chunk_size,
+        fim_supported=info.fim_supported,
     )
 
 

@@ -20,10 +20,13 @@ class GenerateOptions(TypedDict, total=False):
     a field unset so the server's default applies. See
     ``protos/genai/v1/generate.proto`` for exact semantics.
 
-    Input (exactly one of the positional ``prompt``, ``token_ids`` and
-    ``messages``): ``token_ids`` — a token-id prompt used as-is; ``messages`` —
-    chat messages (``ChatMessage``, ``{"role", "content"}`` mappings or
-    ``(role, content)`` pairs) rendered with the model's chat template.
+    Input (exactly one of the positional ``prompt``, ``token_ids``,
+    ``messages`` and fill-in-the-middle): ``token_ids`` — a token-id prompt
+    used as-is; ``messages`` — chat messages (``ChatMessage``, ``{"role",
+    "content"}`` mappings or ``(role, content)`` pairs) rendered with the
+    model's chat template; ``fim_prefix`` and/or ``fim_suffix`` — the text
+    before and after the gap the model fills (``fim_mode`` "psm", the
+    default, or "spm"; the model needs FIM tokens, ``ModelInfo.fim_supported``).
 
     Sampling: ``temperature`` (None/0: greedy), ``top_k``, ``top_p``,
     ``min_p``, ``repetition_penalty``, ``frequency_penalty``,
@@ -61,6 +64,9 @@ class GenerateOptions(TypedDict, total=False):
 
     token_ids: Sequence[int] | None
     messages: Sequence[MessageLike] | None
+    fim_prefix: str | None
+    fim_suffix: str | None
+    fim_mode: str | None
     session_id: str | None
     max_new_tokens: int | None
     min_new_tokens: int | None
@@ -180,6 +186,16 @@ def priority_proto(priority: str | None) -> common_pb2.Priority:
         raise ValueError(f"priority {priority!r} is not one of 'low', 'normal', 'high'") from None
 
 
+def fim_mode_proto(mode: str | None) -> generate_pb2.FimMode:
+    """ "psm" or "spm" (or None: unset, PSM) as a FimMode value."""
+    if mode is None:
+        return generate_pb2.FIM_MODE_UNSPECIFIED
+    name = mode.upper().removeprefix("FIM_MODE_")
+    if name not in ("PSM", "SPM"):
+        raise ValueError(f"fim_mode {mode!r} is not one of 'psm', 'spm'")
+    return generate_pb2.FimMode.Value("FIM_MODE_" + name)
+
+
 def context_overflow_proto(mode: str | None) -> common_pb2.ContextOverflow:
     """ "error" or "slide" (or None: unset) as a ContextOverflow value."""
     if mode is None:
@@ -195,6 +211,9 @@ def generate_request(
     *,
     token_ids: Sequence[int] | None = None,
     messages: Sequence[MessageLike] | None = None,
+    fim_prefix: str | None = None,
+    fim_suffix: str | None = None,
+    fim_mode: str | None = None,
     session_id: str | None = None,
     max_new_tokens: int | None = None,
     min_new_tokens: int | None = None,
@@ -245,16 +264,24 @@ def generate_request(
     tool_choice: str | None = None,
 ) -> generate_pb2.GenerateRequest:
     """Build a GenerateRequest; ``None`` leaves a field unset (server default)."""
+    fim = fim_prefix is not None or fim_suffix is not None
     given = [
         name
-        for name, value in (("prompt", prompt), ("token_ids", token_ids), ("messages", messages))
+        for name, value in (
+            ("prompt", prompt),
+            ("token_ids", token_ids),
+            ("messages", messages),
+            ("fim_prefix/fim_suffix", True if fim else None),
+        )
         if value is not None
     ]
     if len(given) != 1:
         raise ValueError(
-            "give exactly one of prompt, token_ids, messages"
+            "give exactly one of prompt, token_ids, messages, fim_prefix/fim_suffix"
             + (f" (got {', '.join(given)})" if given else "")
         )
+    if fim_mode is not None and not fim:
+        raise ValueError("fim_mode: only with fim_prefix or fim_suffix")
     request = generate_pb2.GenerateRequest(
         request_id=request_id or "",
         session_id=session_id or "",
@@ -268,6 +295,12 @@ def generate_request(
         request.token_ids.ids.extend(token_ids)
     elif messages is not None:
         request.messages.CopyFrom(messages_proto(messages))
+    else:
+        request.fim.CopyFrom(
+            generate_pb2.Fim(
+                prefix=fim_prefix or "", suffix=fim_suffix or "", mode=fim_mode_proto(fim_mode)
+            )
+        )
     _set_optional(
         request,
         add_special_tokens=add_special_tokens,

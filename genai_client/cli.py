@@ -269,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="IDS",
         help="comma-separated prompt token ids instead of text",
     )
+    gen.add_argument("--fim-prefix", metavar="TEXT", help="fill in the middle: the text before")
+    gen.add_argument("--fim-suffix", metavar="TEXT", help="fill in the middle: the text after")
+    gen.add_argument("--fim-mode", choices=["psm", "spm"], help="FIM prompt order (default psm)")
     gen.add_argument(
         "--session", dest="session_id", metavar="ID", help="run as a turn of this session"
     )
@@ -375,7 +378,16 @@ def _generate(client: Client, args: argparse.Namespace, out: TextIO) -> int:
         if getattr(args, key):
             options[key] = getattr(args, key)
     prompt = args.prompt
-    if args.token_ids is not None:
+    fim = args.fim_prefix is not None or args.fim_suffix is not None
+    if args.fim_mode is not None and not fim:
+        raise ValueError("--fim-mode: only with --fim-prefix or --fim-suffix")
+    if fim:
+        if prompt is not None or args.token_ids is not None:
+            raise ValueError("give either a PROMPT, --token-ids or --fim-prefix/--fim-suffix")
+        options.update(fim_prefix=args.fim_prefix or "", fim_suffix=args.fim_suffix or "")
+        if args.fim_mode:
+            options["fim_mode"] = args.fim_mode
+    elif args.token_ids is not None:
         if prompt is not None:
             raise ValueError("give either a PROMPT or --token-ids, not both")
         options["token_ids"] = args.token_ids

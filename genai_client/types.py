@@ -156,6 +156,7 @@ class ModelInfo:
     runner_kind: str
     has_chat_template: bool
     kv_chunk_size: int
+    fim_supported: bool = False  # fill in the middle (fim_prefix/fim_suffix) works
 
 
 @dataclass(frozen=True)

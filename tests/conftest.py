@@ -47,6 +47,12 @@ def bytes_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def fim_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny word model with <fim_prefix>, <fim_middle>, <fim_suffix>, <fim_pad>."""
+    return build_tiny_model(tmp_path_factory.mktemp("fim"), TinyModelSpec(fim=True))
+
+
+@pytest.fixture(scope="session")
 def short_context_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """max_sequence_length 16, declared in inference_metadata.yaml."""
     spec = TinyModelSpec(max_seq_len=16, config="inference_metadata")

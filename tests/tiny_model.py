@@ -61,6 +61,10 @@ WORDS: list[str] = SPECIAL_TOKENS + _PLAIN_WORDS
 VOCAB_SIZE: int = len(WORDS)
 WORD_TO_ID: dict[str, int] = {w: i for i, w in enumerate(WORDS)}
 
+# Fill-in-the-middle tokens of a TinyModelSpec(fim=True) model, after WORDS.
+FIM_TOKENS: list[str] = ["<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>"]
+FIM_IDS: dict[str, int] = {t: VOCAB_SIZE + i for i, t in enumerate(FIM_TOKENS)}
+
 # The "bytes" tokenizer (TinyModelSpec.tokenizer): the same three special
 # tokens, then token 3 + b for byte b (byte-level BPE without merges), so any
 # text round-trips and llguidance can read it.
@@ -113,10 +117,12 @@ class TinyModelSpec:
     intermediate: int = 64  # SwiGLU inner size
     add_bos: bool = False  # tokenizer.json post-processor prepends <s> when add_special_tokens
     tokenizer: str = "words"  # "words" (WORDS, WordLevel) | "bytes" (one token per byte)
+    fim: bool = False  # "words" only: FIM_TOKENS as special tokens after WORDS
 
     @property
     def vocab_size(self) -> int:
-        return VOCAB_SIZE if self.tokenizer == "words" else BYTE_VOCAB_SIZE
+        base = VOCAB_SIZE if self.tokenizer == "words" else BYTE_VOCAB_SIZE
+        return base + (len(FIM_TOKENS) if self.fim else 0)
 
     def __post_init__(self) -> None:
         if self.hidden != self.num_heads * self.head_dim:
@@ -145,6 +151,8 @@ class TinyModelSpec:
             )
         if self.tokenizer not in ("words", "bytes"):
             raise ValueError(f"tokenizer={self.tokenizer!r}, allowed: 'words', 'bytes'")
+        if self.fim and self.tokenizer != "words":
+            raise ValueError("fim=True needs tokenizer='words'")
         if self.num_layers < 1 or self.max_seq_len < 2:
             raise ValueError("num_layers must be >= 1 and max_seq_len >= 2")
 
@@ -174,7 +182,7 @@ def encode_bytes(text: str) -> list[int]:
     return [len(SPECIAL_TOKENS) + b for b in text.encode()]
 
 
-def _tokenizer_json(add_bos: bool, kind: str = "words") -> str:
+def _tokenizer_json(add_bos: bool, kind: str = "words", fim: bool = False) -> str:
     if kind == "bytes":
         vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
         vocab.update({c: len(SPECIAL_TOKENS) + i for i, c in enumerate(_byte_chars())})
@@ -182,10 +190,15 @@ def _tokenizer_json(add_bos: bool, kind: str = "words") -> str:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tok.decoder = decoders.ByteLevel()
     else:
-        tok = Tokenizer(WordLevel(vocab=dict(WORD_TO_ID), unk_token=UNK_TOKEN))
+        vocab = dict(WORD_TO_ID)
+        if fim:
+            vocab.update({t: FIM_IDS[t] for t in FIM_TOKENS})
+        tok = Tokenizer(WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
         tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     # "words" has no decoder: tokenizers then joins decoded tokens with single spaces.
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    if fim:
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in FIM_TOKENS])
     if add_bos:
         tok.post_processor = processors.TemplateProcessing(
             single=f"{BOS_TOKEN} $A",
@@ -549,7 +562,7 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec())
     out.mkdir(parents=True, exist_ok=True)
     model = _build_graph(spec)
     (out / "model.onnx").write_bytes(model.SerializeToString(deterministic=True))
-    tokenizer = _tokenizer_json(spec.add_bos, spec.tokenizer)
+    tokenizer = _tokenizer_json(spec.add_bos, spec.tokenizer, spec.fim)
     (out / "tokenizer.json").write_text(tokenizer, encoding="utf-8")
     if spec.config == "genai_config":
         text = json.dumps(_genai_config(spec), indent=2) + "\n"

@@ -234,6 +234,7 @@ class EngineInfo:
     runner_kind: str
     has_chat_template: bool
     kv_chunk_size: int
+    fim_supported: bool = False  # the tokenizer has fill-in-the-middle tokens
 
 
 def merge_outputs(*outputs: RequestOutput) -> RequestOutput:

@@ -196,6 +196,7 @@ class LLMEngine(InProcessDriver):
             kv_dtype=kv.dtype,
             runner_kind=self.runner.kind,
             has_chat_template=self.tokenizer.has_chat_template(),
+            fim_supported=self.tokenizer.fim is not None,
             kv_chunk_size=self.chunk_size,
         )
 

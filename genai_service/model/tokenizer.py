@@ -8,8 +8,10 @@ gives the same prompt here.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
@@ -29,6 +31,45 @@ from genai_service.model.model_config import (
 )
 from genai_service.model.model_dir import TOKENIZER_FILE, ModelSpec
 
+# Fill-in-the-middle token spellings (prefix, suffix, middle), in the order
+# they are looked for: StarCoder / SmolLM / SantaCoder, Qwen2.5-Coder /
+# CodeGemma, Code Llama, DeepSeek-Coder.
+FIM_SPELLINGS = (
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    ("<PRE>", "<SUF>", "<MID>"),
+    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),
+)
+# Tokens that end a FIM answer where the vocabulary has them.
+FIM_END_TOKENS = (
+    "<fim_pad>",
+    "<|fim_pad|>",
+    "<file_sep>",
+    "<|file_sep|>",
+    "<|endoftext|>",
+    "<EOT>",
+    "<|repo_name|>",
+)
+
+
+@dataclass(frozen=True)
+class FimTokens:
+    prefix: int
+    suffix: int
+    middle: int
+    ends: tuple[int, ...]  # FIM_END_TOKENS the vocabulary has: stop tokens of a FIM request
+
+
+def declared_fim_tokens(config: Mapping[str, Any]) -> tuple[str, str, str] | None:
+    """``{"fim_tokens": {"prefix": ..., "suffix": ..., "middle": ...}}`` of a config."""
+    declared = config.get("fim_tokens") if isinstance(config, Mapping) else None
+    if not isinstance(declared, Mapping):
+        return None
+    parts = tuple(declared.get(k) for k in ("prefix", "suffix", "middle"))
+    if not all(isinstance(p, str) and p for p in parts):
+        return None
+    return parts  # type: ignore[return-value]
+
 
 class Tokenizer:
     """Encode, decode and render chat prompts for one model."""
@@ -40,6 +81,7 @@ class Tokenizer:
         chat_template: str | None = None,
         bos_token: str | None = None,
         eos_token: str | None = None,
+        declared_fim: tuple[str, str, str] | None = None,
     ) -> None:
         self.inner = inner  # the raw tokenizers object (the detokenizer uses it)
         self.vocab_size: int = inner.get_vocab_size(with_added_tokens=True)
@@ -51,6 +93,7 @@ class Tokenizer:
         )
         self._compiled: jinja2.Template | None = None
         self._variables: set[str] | None = None
+        self._declared_fim = declared_fim
 
     @classmethod
     def from_dir(cls, path: str | Path, spec: ModelSpec | None = None) -> Tokenizer:
@@ -79,7 +122,12 @@ class Tokenizer:
                 bos = inner.id_to_token(spec.bos_token_id)
             if eos is None and spec.eos_token_ids:
                 eos = inner.id_to_token(spec.eos_token_ids[0])
-        return cls(inner, chat_template=template, bos_token=bos, eos_token=eos)
+        declared = declared_fim_tokens(tok_cfg) or declared_fim_tokens(
+            read_json(root / "genai_config.json").get("model", {})
+        )
+        return cls(
+            inner, chat_template=template, bos_token=bos, eos_token=eos, declared_fim=declared
+        )
 
     # --- tokens ------------------------------------------------------------------------
 
@@ -99,6 +147,39 @@ class Tokenizer:
 
     def special_token_ids(self) -> set[int]:
         return set(self._special_ids)
+
+    # --- fill in the middle ----------------------------------------------------------------
+
+    @functools.cached_property
+    def fim(self) -> FimTokens | None:
+        """The model's fill-in-the-middle tokens, if its vocabulary has them:
+        declared (``fim_tokens`` in tokenizer_config.json or genai_config.json,
+        ``FimTokens.declared``), else found by the spellings of the model
+        families that use them (``FIM_SPELLINGS``)."""
+        vocab = self.inner.get_vocab(with_added_tokens=True)
+        spellings = [self._declared_fim] if self._declared_fim else list(FIM_SPELLINGS)
+        for prefix, suffix, middle in spellings:
+            if prefix in vocab and suffix in vocab and middle in vocab:
+                ends = tuple(sorted({vocab[t] for t in FIM_END_TOKENS if t in vocab}))
+                return FimTokens(vocab[prefix], vocab[suffix], vocab[middle], ends)
+        return None
+
+    def fim_ids(self, prefix: str, suffix: str, spm: bool, add_special_tokens: bool) -> list[int]:
+        """The prompt of a fill-in-the-middle request (PSM, or SPM with ``spm``);
+        INVALID_ARGUMENT when the model has no FIM tokens."""
+        fim = self.fim
+        if fim is None:
+            looked = ", ".join("/".join(s) for s in FIM_SPELLINGS)
+            raise InvalidArgument(
+                "fim: the model's tokenizer has no fill-in-the-middle tokens (looked for "
+                f"{looked}, and a fim_tokens entry in tokenizer_config.json or genai_config.json)"
+            )
+        head = self.encode("", add_special_tokens=True) if add_special_tokens else []
+        pre = self.encode(prefix, add_special_tokens=False)
+        suf = self.encode(suffix, add_special_tokens=False)
+        if spm:
+            return [*head, fim.prefix, fim.suffix, *suf, fim.middle, *pre]
+        return [*head, fim.prefix, *pre, fim.suffix, *suf, fim.middle]
 
     # --- chat --------------------------------------------------------------------------
 

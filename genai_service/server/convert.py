@@ -136,6 +136,19 @@ def prompt_token_ids(
         text = request.text
         _check_size("text", len(text), max_input_chars)
         return tokenizer.encode(text, add_special_tokens=add_special), text
+    if kind == "fim":
+        if request.session_id:
+            raise InvalidArgument(
+                "fim: not allowed on a session turn (a fill-in-the-middle prompt is whole)"
+            )
+        fim = request.fim
+        if fim.mode not in generate_pb2.FimMode.values():
+            raise InvalidArgument(
+                f"fim.mode: {fim.mode} is not a known value; allowed FIM_MODE_PSM, FIM_MODE_SPM"
+            )
+        _check_size("fim", len(fim.prefix) + len(fim.suffix), max_input_chars)
+        spm = fim.mode == generate_pb2.FIM_MODE_SPM
+        return tokenizer.fim_ids(fim.prefix, fim.suffix, spm, add_special), fim.prefix
     if kind == "messages":
         if not request.messages.messages:
             raise InvalidArgument("messages: is empty; give at least one message")
@@ -354,4 +367,5 @@ def model_info(info: EngineInfo) -> model_pb2.ModelInfo:
         runner_kind=_RUNNER.get(info.runner_kind, model_pb2.RUNNER_KIND_UNSPECIFIED),
         has_chat_template=info.has_chat_template,
         kv_chunk_size=info.kv_chunk_size,
+        fim_supported=info.fim_supported,
     )

@@ -123,6 +123,14 @@ class Frontend:
             request, self.tokenizer, self.max_input_chars, session, use
         )
         built = convert.generation_request(request, ids)
+        if request.WhichOneof("input") == "fim" and self.tokenizer.fim is not None:
+            # The model's FIM end markers stop the answer.
+            have = built.stopping.stop_token_ids
+            ends = tuple(t for t in self.tokenizer.fim.ends if t not in have)
+            stopping = dataclasses.replace(
+                built.stopping, stop_token_ids=built.stopping.stop_token_ids + ends
+            )
+            built = dataclasses.replace(built, stopping=stopping)
         forced = use.constraint() if use is not None else None
         await self.check_constraints(use, forced or built.constraint, forced is not None)
         return (

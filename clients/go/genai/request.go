@@ -40,16 +40,31 @@ type Tool struct {
 	ParametersJSONSchema string
 }
 
+// FIM is a fill-in-the-middle input (generate.proto's Fim).
+type FIM struct {
+	Prefix, Suffix string
+	Mode           string // "" or "psm": prefix, suffix, middle; "spm": suffix first
+}
+
+var fimModes = map[string]pb.FimMode{
+	"":    pb.FimMode_FIM_MODE_UNSPECIFIED,
+	"psm": pb.FimMode_FIM_MODE_PSM,
+	"spm": pb.FimMode_FIM_MODE_SPM,
+}
+
 // Request is one generation request; the zero value of every optional field
 // (nil pointers, empty strings and slices, false) leaves it unset so that
 // the server's default applies. The fields and their names follow the
 // Python client's keyword options; protos/genai/v1/generate.proto has the
 // exact semantics.
 type Request struct {
-	// Input: exactly one of Prompt, TokenIDs and Messages.
+	// Input: exactly one of Prompt, TokenIDs, Messages and FIM.
 	Prompt   string
 	TokenIDs []uint32
 	Messages []Message
+	// FIM: fill in between Prefix and Suffix (the model needs FIM tokens,
+	// ModelInfo.FIMSupported); Mode "" or "psm", or "spm".
+	FIM *FIM
 
 	// SessionID makes the request a turn of that session (Session sets it).
 	SessionID string
@@ -216,8 +231,17 @@ func (r *Request) Proto() (*pb.GenerateRequest, error) {
 	if r.Messages != nil {
 		inputs, out.Input = append(inputs, "Messages"), &pb.GenerateRequest_Messages{Messages: messagesProto(r.Messages)}
 	}
+	if r.FIM != nil {
+		mode, ok := fimModes[strings.ToLower(r.FIM.Mode)]
+		if !ok {
+			return nil, fmt.Errorf("genai: FIM.Mode %q is not one of \"psm\", \"spm\"", r.FIM.Mode)
+		}
+		inputs, out.Input = append(inputs, "FIM"), &pb.GenerateRequest_Fim{Fim: &pb.Fim{
+			Prefix: r.FIM.Prefix, Suffix: r.FIM.Suffix, Mode: mode,
+		}}
+	}
 	if len(inputs) != 1 {
-		return nil, fmt.Errorf("genai: give exactly one of Prompt, TokenIDs, Messages (got %d: %s)",
+		return nil, fmt.Errorf("genai: give exactly one of Prompt, TokenIDs, Messages, FIM (got %d: %s)",
 			len(inputs), strings.Join(inputs, ", "))
 	}
 	priority, ok := priorities[strings.ToLower(strings.TrimPrefix(r.Priority, "PRIORITY_"))]

@@ -52,6 +52,22 @@ func TestRequestProtoCarriesTheDecodingSurface(t *testing.T) {
 	}
 }
 
+func TestRequestProtoFIM(t *testing.T) {
+	req, err := (&Request{FIM: &FIM{Prefix: "a", Suffix: "b", Mode: "spm"}}).Proto()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if f := req.GetFim(); f.GetPrefix() != "a" || f.GetSuffix() != "b" || f.GetMode().String() != "FIM_MODE_SPM" {
+		t.Fatalf("FIM lost: %v", req)
+	}
+	if _, err := (&Request{Prompt: "x", FIM: &FIM{Prefix: "a"}}).Proto(); err == nil {
+		t.Fatal("Prompt and FIM: want an error")
+	}
+	if _, err := (&Request{FIM: &FIM{Mode: "middle"}}).Proto(); err == nil {
+		t.Fatal("an unknown FIM mode: want an error")
+	}
+}
+
 func TestRequestProtoRefusesAmbiguousInput(t *testing.T) {
 	for _, r := range []*Request{{}, {Prompt: "a", TokenIDs: []uint32{1}}, {Prompt: "a", Regex: "x", Grammar: "y"}, {Prompt: "a", Priority: "urgent"}} {
 		if _, err := r.Proto(); err == nil {

@@ -87,6 +87,8 @@ type ModelInfo struct {
 	RunnerKind      string
 	HasChatTemplate bool
 	KVChunkSize     uint32
+	// FIMSupported: the tokenizer has fill-in-the-middle tokens (Request.FIM).
+	FIMSupported bool
 }
 
 func logprobsFrom(in []*pb.TokenLogprob) []TokenLogprob {
@@ -160,5 +162,6 @@ func modelInfoFrom(m *pb.ModelInfo) ModelInfo {
 		ModelID: m.GetModelId(), ContextLength: m.GetContextLength(), VocabSize: m.GetVocabSize(),
 		EOSTokenIDs: m.GetEosTokenIds(), RunnerKind: strings.TrimPrefix(m.GetRunnerKind().String(), "RUNNER_KIND_"),
 		HasChatTemplate: m.GetHasChatTemplate(), KVChunkSize: m.GetKvChunkSize(),
+		FIMSupported: m.GetFimSupported(),
 	}
 }

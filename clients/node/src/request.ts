@@ -6,7 +6,7 @@
  * an enum given by a name it does not know is a TypeError rather than 0.
  */
 import { ChatMessage, ContextOverflow, Messages, Priority, ToolCall } from "./gen/genai/v1/common";
-import { Constraint, GenerateRequest, Tool } from "./gen/genai/v1/generate";
+import { Constraint, FimMode, GenerateRequest, Tool } from "./gen/genai/v1/generate";
 
 /** A chat message: an object with role and content (name, toolCallId,
  * toolCalls optional), or a [role, content] pair. */
@@ -34,6 +34,9 @@ export interface GenerateOptions {
   prompt?: string;
   tokenIds?: readonly number[];
   messages?: readonly MessageLike[];
+  /** Fill in between `prefix` and `suffix` (the model needs FIM tokens,
+   * `ModelInfo.fimSupported`); mode "psm" (default) or "spm". */
+  fim?: { prefix?: string; suffix?: string; mode?: "psm" | "spm" };
   /** Make the request a turn of this session (also sent as `x-session-id`). */
   sessionId?: string;
   // sampling
@@ -100,7 +103,7 @@ export interface GenerateOptions {
 }
 
 const OPTION_NAMES: ReadonlySet<string> = new Set([
-  "prompt", "tokenIds", "messages", "sessionId", "temperature", "topK", "topP", "minP",
+  "prompt", "tokenIds", "messages", "fim", "sessionId", "temperature", "topK", "topP", "minP",
   "repetitionPenalty", "frequencyPenalty", "presencePenalty", "seed",
   "repetitionPenaltyLastN", "typicalP", "topA", "xtcThreshold", "xtcProbability", "dryMultiplier",
   "dryBase", "dryAllowedLength", "dryPenaltyLastN", "drySequenceBreakers", "mirostat", "mirostatTau",
@@ -229,11 +232,15 @@ function logitBias(
 export function generateRequest(options: GenerateOptions | string): GenerateRequest {
   const o: GenerateOptions = typeof options === "string" ? { prompt: options } : options;
   checkOptionNames(o, OPTION_NAMES, "generate");
-  const inputs = (["prompt", "tokenIds", "messages"] as const).filter((k) => o[k] !== undefined);
+  const inputs = (["prompt", "tokenIds", "messages", "fim"] as const).filter((k) => o[k] !== undefined);
   if (inputs.length !== 1) {
     throw new TypeError(
-      "give exactly one of prompt, tokenIds, messages" + (inputs.length ? ` (got ${inputs.join(", ")})` : ""),
+      "give exactly one of prompt, tokenIds, messages, fim" + (inputs.length ? ` (got ${inputs.join(", ")})` : ""),
     );
+  }
+  const fimMode = o.fim?.mode;
+  if (fimMode !== undefined && fimMode !== "psm" && fimMode !== "spm") {
+    throw new TypeError(`fim.mode ${JSON.stringify(fimMode)} is not one of "psm", "spm"`);
   }
   const sampling = defined({
     temperature: o.temperature,
@@ -276,6 +283,14 @@ export function generateRequest(options: GenerateOptions | string): GenerateRequ
     text: o.prompt,
     tokenIds: o.tokenIds === undefined ? undefined : { ids: [...o.tokenIds] },
     messages: o.messages === undefined ? undefined : messagesProto(o.messages),
+    fim:
+      o.fim === undefined
+        ? undefined
+        : {
+            prefix: o.fim.prefix ?? "",
+            suffix: o.fim.suffix ?? "",
+            mode: fimMode === "spm" ? FimMode.FIM_MODE_SPM : fimMode === "psm" ? FimMode.FIM_MODE_PSM : FimMode.FIM_MODE_UNSPECIFIED,
+          },
     sessionId: o.sessionId ?? "",
     sampling,
     stopping,

@@ -71,6 +71,9 @@ test("every field survives encode/decode and the JSON form, under both spellings
   assert.deepEqual(decoded.sampling?.drySequenceBreakers, ["\n", ":"]);
   assert.deepEqual(decoded.sampling?.allowedTokenIds, [2, 3]);
   assert.deepEqual(decoded.sampling?.badWords, ["no"]);
+  const fim = generateRequest({ fim: { prefix: "a", suffix: "b", mode: "spm" } });
+  assert.deepEqual(GenerateRequest.decode(GenerateRequest.encode(fim).finish()).fim, { prefix: "a", suffix: "b", mode: 2 });
+  assert.throws(() => generateRequest({ prompt: "x", fim: { prefix: "a" } }), /exactly one/);
   assert.equal(decoded.stopping?.maxNewTokens, 7);
   assert.equal(decoded.stopping?.timeLimitMs, 500);
   assert.deepEqual(decoded.constraint?.choice, { choices: ["yes", "no"] });

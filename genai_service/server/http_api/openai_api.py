@@ -509,8 +509,13 @@ def _completions(body: Mapping[str, Any], call: Call) -> None:
         call.names[proto] = "prompt"
     if _boolean(body, "echo"):
         raise InvalidArgument("echo: true is not supported")
-    if _string(body, "suffix"):
-        raise InvalidArgument("suffix: is not supported")
+    suffix = _string(body, "suffix")
+    if suffix is not None:
+        # OpenAI's insert mode: fill in between the prompt and the suffix.
+        if not request.HasField("text"):
+            raise InvalidArgument("suffix: needs a text prompt, not token ids")
+        request.fim.CopyFrom(generate_pb2.Fim(prefix=request.text, suffix=suffix))
+        call.names["fim"] = "suffix"
     _logprobs(call, _integer(body, "logprobs"))
 
 
