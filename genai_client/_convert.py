@@ -4,6 +4,7 @@ build or read ``*_pb2`` messages (the client surface never exposes protobuf)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC
 from typing import Any
@@ -83,6 +84,7 @@ def delta_from_proto(delta: generate_pb2.Delta) -> Delta:
         text=delta.text,
         token_ids=tuple(delta.token_ids),
         logprobs=_logprobs(delta.logprobs),
+        prompt_logprobs=_logprobs(delta.prompt_logprobs),
     )
 
 
@@ -99,6 +101,7 @@ def result_from_response(response: generate_pb2.GenerateResponse) -> GenerationR
         session_tokens=response.session_tokens,
         request_id=response.request_id,
         tool_calls=_tool_calls(response.tool_calls),
+        prompt_logprobs=_logprobs(response.prompt_logprobs),
     )
 
 
@@ -123,6 +126,21 @@ def _tool_calls(calls: Iterable[common_pb2.ToolCall]) -> tuple[ToolCall, ...]:
     return tuple(ToolCall(c.id, c.name, c.arguments_json) for c in calls)
 
 
+def _logprobs_proto(items: Iterable[TokenLogprob]) -> list[common_pb2.TokenLogprob]:
+    return [
+        common_pb2.TokenLogprob(
+            token_id=lp.token_id,
+            text=lp.text,
+            logprob=lp.logprob,
+            top=[
+                common_pb2.TopLogprob(token_id=t.token_id, text=t.text, logprob=t.logprob)
+                for t in lp.top
+            ],
+        )
+        for lp in items
+    ]
+
+
 def result_to_response(result: GenerationResult) -> generate_pb2.GenerateResponse:
     """The GenerateResponse a result came from (for protobuf-JSON output)."""
     return generate_pb2.GenerateResponse(
@@ -130,18 +148,8 @@ def result_to_response(result: GenerationResult) -> generate_pb2.GenerateRespons
         token_ids=result.token_ids,
         finish_reason=_finish_reason_value(result.finish_reason),
         stop_sequence=result.stop_sequence,
-        logprobs=[
-            common_pb2.TokenLogprob(
-                token_id=lp.token_id,
-                text=lp.text,
-                logprob=lp.logprob,
-                top=[
-                    common_pb2.TopLogprob(token_id=t.token_id, text=t.text, logprob=t.logprob)
-                    for t in lp.top
-                ],
-            )
-            for lp in result.logprobs
-        ],
+        logprobs=_logprobs_proto(result.logprobs),
+        prompt_logprobs=_logprobs_proto(result.prompt_logprobs),
         usage=common_pb2.Usage(
             prompt_tokens=result.usage.prompt_tokens,
             completion_tokens=result.usage.completion_tokens,
@@ -363,14 +371,17 @@ class StreamState:
         self._call = call
         self._text: list[str] = []
         self._result: GenerationResult | None = None
+        self._prompt_logprobs: tuple[TokenLogprob, ...] = ()  # the first delta's
 
     def _absorb(self, response: Any) -> Delta | None:
         """Record one stream message; the delta to hand out, if it is one."""
         item = stream_event(response, self._text)
         if isinstance(item, Delta):
+            if item.prompt_logprobs:
+                self._prompt_logprobs = item.prompt_logprobs
             return item
         if item is not None:
-            self._result = item
+            self._result = dataclasses.replace(item, prompt_logprobs=self._prompt_logprobs)
         return None
 
     def _check_finished(self) -> None:

@@ -43,7 +43,9 @@ class GenerateOptions(TypedDict, total=False):
     ``include_stop_sequence``, ``time_limit_ms``.
 
     Other: ``session_id`` (make the request a turn of that session),
-    ``top_logprobs`` (N alternatives per token; 0: no logprobs), ``priority``
+    ``top_logprobs`` (N alternatives per token; 0: no logprobs),
+    ``prompt_logprobs`` (N: every prompt token's logprob with N alternatives,
+    in ``GenerationResult.prompt_logprobs``), ``priority``
     ("low", "normal" or "high"), ``add_special_tokens``,
     ``skip_special_tokens``, ``request_id`` (default: the server assigns one;
     ``bidi().start`` generates one), ``cache_salt`` (only requests with the
@@ -101,6 +103,7 @@ class GenerateOptions(TypedDict, total=False):
     include_stop_sequence: bool | None
     time_limit_ms: int | None
     top_logprobs: int | None
+    prompt_logprobs: int | None
     priority: str | None
     add_special_tokens: bool | None
     skip_special_tokens: bool | None
@@ -248,6 +251,7 @@ def generate_request(
     include_stop_sequence: bool | None = None,
     time_limit_ms: int | None = None,
     top_logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
     priority: str | None = None,
     add_special_tokens: bool | None = None,
     skip_special_tokens: bool | None = None,
@@ -286,6 +290,7 @@ def generate_request(
         request_id=request_id or "",
         session_id=session_id or "",
         top_logprobs=top_logprobs or 0,
+        prompt_logprobs=prompt_logprobs or 0,
         priority=priority_proto(priority),
         context_overflow=context_overflow_proto(context_overflow),
     )

@@ -62,6 +62,7 @@ _VALUE_FLAGS: list[tuple[str, Any, str]] = [
     ("--mirostat-eta", float, "Mirostat: learning rate"),
     ("--time-limit-ms", int, "wall-clock budget in milliseconds"),
     ("--top-logprobs", int, "return logprobs with N alternatives per token"),
+    ("--prompt-logprobs", int, "return every prompt token's logprob with N alternatives"),
 ]
 _OPTION_KEYS = [flag[2:].replace("-", "_") for flag, _, _ in _VALUE_FLAGS] + [
     "stop",

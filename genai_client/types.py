@@ -94,6 +94,8 @@ class Delta:
     text: str
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
+    # The first delta of a request with prompt_logprobs: entry i is prompt token i + 1's.
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,8 @@ class GenerationResult:
     session_tokens: int = 0
     request_id: str = ""
     tool_calls: tuple[ToolCall, ...] = ()  # when the model called offered tools
+    # prompt_logprobs=N: entry i is the logprob of prompt token i + 1 (the first has none)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -150,6 +150,9 @@ class GenerationRequest:
     # At the context window: "error" or "slide" (config.CONTEXT_OVERFLOWS);
     # None: the session's setting in a turn, else the server's default.
     context_overflow: str | None = None
+    # N >= 1: the logprob of every prompt token given those before it, with N
+    # alternatives (RequestOutput.prompt_logprobs); 0: none.
+    prompt_logprobs: int = 0
 
 
 @dataclass(frozen=True)
@@ -201,6 +204,9 @@ class RequestOutput:
     session_id: str | None = None
     session_tokens: int = 0
     error: Exception | None = None
+    # GenerationRequest.prompt_logprobs: in the request's first output only;
+    # entry i is prompt token i + 1's (the first token has none).
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -217,6 +223,7 @@ class GenerationResult:
     seed: int | None
     session_id: str | None
     session_tokens: int
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -251,6 +258,7 @@ def merge_outputs(*outputs: RequestOutput) -> RequestOutput:
         token_ids=tuple(t for o in outputs for t in o.token_ids),
         text="".join(o.text for o in outputs),
         logprobs=tuple(lp for o in outputs for lp in o.logprobs),
+        prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs), ()),
     )
 
 
@@ -274,4 +282,5 @@ def collect(outputs: list[RequestOutput]) -> GenerationResult:
         seed=last.seed,
         session_id=last.session_id,
         session_tokens=last.session_tokens,
+        prompt_logprobs=last.prompt_logprobs,
     )

@@ -11,6 +11,7 @@ the kvstore waits as a ``PendingCall`` (``restores``) while the steps go on.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from concurrent.futures import Future
@@ -41,7 +42,7 @@ from .kv.window import SlidePolicy, next_lineage
 from .kv_reuse import KvReuse
 from .runner.model_runner import ModelRunner, StepItem
 from .runner.runners import create_runner
-from .sampling_rows import TokenPicker
+from .sampling_rows import TokenPicker, prompt_logprobs
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import SeqStatus, Sequence, new_sequence
 from .sessions.restores import HeldOutputs, ParkedRequests, PendingCall, SessionCalls
@@ -247,6 +248,11 @@ class LLMEngine(InProcessDriver):
             limits=self.config.limits,
             slide_sinks=self.window.sinks if slide and self.window else None,
         )
+        if request.prompt_logprobs and not self.runner.can_verify:
+            raise InvalidArgument(
+                "prompt_logprobs: this model's graph returns only the last position's logits "
+                "and has no num_logits_to_keep input"
+            )
         # The turn's own constraint; the history never passes through it. A
         # grammar not in the cache compiles on the compiler thread while the
         # engine steps; its request waits outside the scheduler meanwhile.
@@ -275,6 +281,8 @@ class LLMEngine(InProcessDriver):
             )
             seq.matcher = matcher
             seq.dropped_tokens = dropped
+            if request.prompt_logprobs:
+                seq.prompt_logprobs = []
             seq.slide = slide
             if session is not None:
                 seq.lineage = session.lineage
@@ -505,6 +513,12 @@ class LLMEngine(InProcessDriver):
             _step_item(seq, seq.token_ids[seq.num_computed : seq.num_computed + n])
             for seq, n in plain
         ]
+        # Prefill chunks of prompt_logprobs requests: every position's logits.
+        wide = [
+            i
+            for i, (seq, _) in enumerate(plain)
+            if seq.prompt_logprobs is not None and seq.num_computed < seq.prompt_len
+        ]
         # Masks of the rows that pick a token after this step, filled meanwhile.
         masks = self.guidance.start_step(
             [
@@ -520,7 +534,10 @@ class LLMEngine(InProcessDriver):
                 for seq, _ in batch.items
                 if (draft := drafts.get(seq.seq_id))
             ]
-            logits = self.runner.run(items) if items else None
+            if wide:
+                logits = self._run_wide(plain, items, wide)
+            else:
+                logits = self.runner.run(items) if items else None
         except Exception as exc:  # an ORT failure must not take the engine down
             log.exception("runner_failed", batch=[s.request_id for s, _ in batch.items])
             for seq, _ in batch.items:
@@ -529,6 +546,32 @@ class LLMEngine(InProcessDriver):
         self.counters["steps"] += 1
         self.counters["computed_tokens"] += batch.num_tokens + sum(map(len, drafts.values()))
         return _Computed(plain, logits, verified, masks)
+
+    def _run_wide(
+        self, plain: list[tuple[Sequence, int]], items: list[StepItem], wide: list[int]
+    ) -> np.ndarray:
+        """``runner.run(items)``, but the items ``wide`` (prefill chunks of
+        prompt_logprobs requests) run one by one with every position's logits
+        (``runner.verify``), which give their prompt logprobs; each item's row
+        is its last position's logits, as ``run`` gives."""
+        rest = [i for i in range(len(items)) if i not in set(wide)]
+        logits = np.empty((len(items), self.vocab_size), dtype=np.float32)
+        if rest:
+            logits[rest] = self.runner.run([items[i] for i in rest])
+        for i in wide:
+            seq, n = plain[i]
+            rows = self.runner.verify(items[i])  # [n, vocab]
+            start = seq.num_computed
+            # Position p's row predicts token p + 1, a prompt token while p + 1 < prompt_len.
+            targets = seq.token_ids[start + 1 : min(start + n + 1, seq.prompt_len)]
+            assert seq.prompt_logprobs is not None
+            seq.prompt_logprobs.extend(
+                prompt_logprobs(
+                    rows[: len(targets)], targets, seq.request.prompt_logprobs, self.token_text
+                )
+            )
+            logits[i] = rows[-1]
+        return logits
 
     def _postprocess(self, computed: _Computed) -> list[RequestOutput]:
         """Pick the next tokens from what ``_run`` computed and append them."""
@@ -584,6 +627,9 @@ class LLMEngine(InProcessDriver):
             self._fail(seq, error)
             return RequestOutput(seq.request_id)
         delta = RequestOutput(seq.request_id, (token,), text, (lp,) if lp else ())
+        if seq.prompt_logprobs is not None:  # its first output carries them
+            delta = dataclasses.replace(delta, prompt_logprobs=tuple(seq.prompt_logprobs))
+            seq.prompt_logprobs = None
         if finish is None:
             if seq.slide and len(seq.token_ids) >= self.context_length:
                 self._slides_due.append(seq)  # after the step's tokens are all in

@@ -160,8 +160,8 @@ class KvReuse:
 
     def start_prefetch(self, seq: Sequence) -> None:
         """Ask the kvstore for the prompt's chunks the local index lacks (background)."""
-        if self.remote is None:
-            return
+        if self.remote is None or seq.request.prompt_logprobs:
+            return  # (prompt logprobs: every position is computed)
         session = seq.session
         if session is not None and (session.kv is not None or session.committing):
             return  # its KV is resident
@@ -175,7 +175,10 @@ class KvReuse:
     def attach(self, seq: Sequence) -> bool:
         """Attach reused KV before a sequence's first step: its session's parked KV,
         else the longest prefix found in the kvstore and the local index. False
-        while that KV is not ready yet (the scheduler asks again next step)."""
+        while that KV is not ready yet (the scheduler asks again next step). A
+        request for prompt logprobs reuses nothing: every position is computed."""
+        if seq.request.prompt_logprobs:
+            return True
         session = seq.session
         if session is not None:
             if not session.kv_ready:

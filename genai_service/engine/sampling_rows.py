@@ -112,6 +112,21 @@ def token_logprob(
     )
 
 
+def prompt_logprobs(
+    rows: np.ndarray, targets: list[int], top: int, token_text: Callable[[int], str]
+) -> list[TokenLogprob]:
+    """The logprob of each of ``targets`` under the row before it (``rows``
+    [len(targets), vocab]: the logits of the positions that precede them),
+    with ``top`` alternatives: GenerationRequest.prompt_logprobs."""
+    if not targets:
+        return []
+    lps, ids, tops = sampling.token_logprobs(rows, np.asarray(targets), top)
+    return [
+        token_logprob(t, float(lp), i, tl, token_text)
+        for t, lp, i, tl in zip(targets, lps, ids, tops, strict=True)
+    ]
+
+
 def greedy_pick(row: np.ndarray, allowed: np.ndarray | None) -> int:
     """The sampler's greedy choice on ``row`` [vocab] under a mask (None: none):
     the highest allowed logit, ties to the lowest id; a mask that allows nothing

@@ -26,6 +26,7 @@ from ..contract.request import (
     FinishReason,
     GenerationRequest,
     RequestOutput,
+    TokenLogprob,
     Usage,
 )
 from .sampling.sampler import MirostatState
@@ -96,6 +97,9 @@ class Sequence:
     # Mirostat v2's state (sampler.MirostatState) of a Mirostat request; a
     # session turn continues the session's mu.
     mirostat: MirostatState | None = None
+    # GenerationRequest.prompt_logprobs: those of the prompt computed so far,
+    # until its first output takes them (None: none asked, or sent).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def request_id(self) -> str:

@@ -171,6 +171,12 @@ def validate_request(
         _Range(f"stopping.stop_token_ids[{i}]", 0, vocab_size - 1).check(tok)
     _Range("stopping.time_limit_ms", 1, limits.max_time_limit_ms).check(stopping.time_limit_ms)
     _Range("top_logprobs", 0, limits.max_top_logprobs).check(request.top_logprobs)
+    _Range("prompt_logprobs", 0, limits.max_top_logprobs).check(request.prompt_logprobs)
+    if request.prompt_logprobs and history_len:
+        raise InvalidArgument(
+            "prompt_logprobs: not on a session turn that has history (its KV is reused, "
+            "not computed); ask on a stateless request"
+        )
     salt = request.cache_salt
     if salt is not None and not 1 <= len(salt) <= limits.max_cache_salt_chars:
         raise InvalidArgument(

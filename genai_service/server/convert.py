@@ -232,6 +232,7 @@ def generation_request(
         sampling=sampling,
         stopping=stopping,
         top_logprobs=request.top_logprobs,
+        prompt_logprobs=request.prompt_logprobs,
         priority=_PRIORITY[request.priority],
         session_id=request.session_id or None,
         skip_special_tokens=(
@@ -280,7 +281,10 @@ def logprobs(items: Sequence[TokenLogprob]) -> list[common_pb2.TokenLogprob]:
 
 def delta(out: RequestOutput) -> generate_pb2.Delta:
     return generate_pb2.Delta(
-        text=out.text, token_ids=list(out.token_ids), logprobs=logprobs(out.logprobs)
+        text=out.text,
+        token_ids=list(out.token_ids),
+        logprobs=logprobs(out.logprobs),
+        prompt_logprobs=logprobs(out.prompt_logprobs),
     )
 
 
@@ -328,6 +332,7 @@ def generate_response(
         session_tokens=f.session_tokens,
         request_id=f.request_id,
         tool_calls=f.tool_calls,
+        prompt_logprobs=logprobs(whole.prompt_logprobs),
     )
 
 

@@ -180,7 +180,7 @@ class Frontend:
         built, use = await self.build_request(request, session)
         async for out in self.outputs(built, self.stream_interval):
             outputs.append(out)
-            if out.token_ids or out.text:
+            if out.token_ids or out.text or out.prompt_logprobs:
                 yield convert.delta(out)
             if out.finished:
                 yield convert.final(outputs, use)

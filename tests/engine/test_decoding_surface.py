@@ -7,13 +7,22 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from genai_service.config import CacheConfig, EngineConfig
+from genai_common.errors import InvalidArgument
+from genai_service.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig
 from genai_service.contract.request import GenerationRequest, SamplingParams, StoppingCriteria
 from genai_service.engine.engine import LLMEngine
 from genai_service.engine.sessions.sessions import session_from_record, session_record
-from tests.tiny_model import VOCAB_SIZE, WORDS, encode_words, reference_greedy
+from tests.tiny_model import (
+    VOCAB_SIZE,
+    WORDS,
+    encode_words,
+    make_feed,
+    reference_greedy,
+    run_model,
+)
 
 PROMPT = encode_words("the cat sat on the mat and the dog sat on the")
 
@@ -119,3 +128,49 @@ def test_mirostat_mu_continues_across_session_turns_and_in_the_record(
     assert mu2 is not None and mu2 != mu1
     eng.wait(eng.reset_session(sid))
     assert eng.sessions.get(sid).mirostat_mu is None
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+@pytest.mark.parametrize(
+    ("model", "runner", "chunk"),
+    [("rope", "past_present", 4), ("rope", "past_present", 512), ("gqa", "shared_buffer", 4)],
+)
+def test_prompt_logprobs_are_the_models_at_every_prompt_position(
+    tiny_models: dict[str, Path], model: str, runner: str, chunk: int
+) -> None:
+    model_dir = tiny_models[model]
+    eng = LLMEngine(
+        EngineConfig(
+            model_dir=str(model_dir),
+            runner=RunnerConfig(runner=runner),
+            cache=CacheConfig(chunk_size=4),
+            scheduler=SchedulerConfig(max_num_batched_tokens=chunk),
+        )
+    )
+    logits, _ = run_model(model_dir, make_feed(model_dir, np.array([PROMPT])))
+    ref = _log_softmax(logits[0])  # [len, vocab]: a full recompute, every position
+    plain = eng.generate(request("warm", n=4))  # its chunks now in the prefix cache
+    out = eng.generate(dataclasses.replace(request("p", n=4), prompt_logprobs=3))
+    assert out.token_ids == plain.token_ids
+    lps = out.prompt_logprobs
+    assert [lp.token_id for lp in lps] == PROMPT[1:]
+    for i, lp in enumerate(lps):
+        assert lp.logprob == pytest.approx(ref[i, PROMPT[i + 1]], abs=1e-4)
+        assert [t.token_id for t in lp.top] == list(np.argsort(-ref[i], kind="stable")[:3])
+        assert lp.text == WORDS[PROMPT[i + 1]]
+    assert out.usage.cached_tokens == 0  # computed whole, not reused
+
+
+def test_prompt_logprobs_refused_on_a_turn_with_history(tiny_model_dir: Path) -> None:
+    eng = engine(tiny_model_dir)
+    sid = eng.wait(eng.create_session()).session_id
+    first = eng.generate(dataclasses.replace(request("t1", n=2), session_id=sid, prompt_logprobs=1))
+    assert len(first.prompt_logprobs) == len(PROMPT) - 1  # the first turn computes its prompt
+    with pytest.raises(InvalidArgument) as err:
+        eng.generate(dataclasses.replace(request("t2", n=2), session_id=sid, prompt_logprobs=1))
+    assert str(err.value).startswith("prompt_logprobs: not on a session turn that has history")

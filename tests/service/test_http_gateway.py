@@ -627,3 +627,55 @@ def test_logit_bias_and_the_extra_samplers_over_http_and_grpc(
         assert status == 400, (body, answer)
         assert answer["error"]["message"].startswith(message), answer
         assert answer["error"]["param"] == param, answer
+
+
+def test_prompt_logprobs_over_grpc_and_echo_over_http(
+    client: openai.OpenAI, server: ServerThread
+) -> None:
+    prompt = "hello world"
+    with Client(server.target) as grpc:
+        whole = grpc.generate(prompt, max_new_tokens=4, temperature=0, prompt_logprobs=2)
+        ids = [t.id for t in grpc.tokenize(prompt)]
+        assert [lp.token_id for lp in whole.prompt_logprobs] == ids[1:]
+        assert all(len(lp.top) == 2 and lp.logprob <= 0 for lp in whole.prompt_logprobs)
+        with grpc.stream(prompt, max_new_tokens=4, temperature=0, prompt_logprobs=2) as stream:
+            deltas = list(stream)
+        assert deltas[0].prompt_logprobs == whole.prompt_logprobs
+        assert all(not d.prompt_logprobs for d in deltas[1:])
+        assert stream.result.prompt_logprobs == whole.prompt_logprobs
+    r = client.completions.create(
+        model="any", prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=1
+    )
+    choice = r.choices[0]
+    assert choice.text == prompt + whole.text
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert "".join(lp.tokens) == choice.text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # type: ignore[index]
+    n = len(whole.prompt_logprobs)
+    assert lp.token_logprobs[1 : n + 1] == pytest.approx([p.logprob for p in whole.prompt_logprobs])
+    assert len(lp.tokens) == len(ids) + r.usage.completion_tokens  # type: ignore[union-attr]
+    # echo without logprobs: the text only; streamed: the prompt leads the first chunk
+    plain = client.completions.create(
+        model="any", prompt=prompt, max_tokens=4, temperature=0, echo=True
+    )
+    assert plain.choices[0].text == prompt + whole.text
+    chunks = list(
+        client.completions.create(
+            model="any", prompt=prompt, max_tokens=4, temperature=0, echo=True, stream=True
+        )
+    )
+    assert chunks[0].choices[0].text.startswith(prompt)
+    assert "".join(c.choices[0].text for c in chunks) == prompt + whole.text
+    # vLLM's prompt_logprobs field
+    status, body = call(
+        server,
+        "POST",
+        "/v1/completions",
+        {"model": "any", "prompt": prompt, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1},
+    )
+    assert status == 200, body
+    entries = body["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ids)
+    first = whole.prompt_logprobs[0]
+    assert entries[1][str(first.token_id)]["logprob"] == pytest.approx(first.logprob)

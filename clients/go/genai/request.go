@@ -114,6 +114,9 @@ type Request struct {
 	// TopLogprobs: N >= 1 returns every token's logprob with the N most
 	// likely alternatives.
 	TopLogprobs uint32
+	// PromptLogprobs: N >= 1 returns every prompt token's logprob (but the
+	// first's) with N alternatives, in Result.PromptLogprobs.
+	PromptLogprobs uint32
 	// Priority: "", "low", "normal" or "high".
 	Priority          string
 	AddSpecialTokens  *bool
@@ -217,6 +220,7 @@ func (r *Request) Proto() (*pb.GenerateRequest, error) {
 		RequestId:         r.RequestID,
 		SessionId:         r.SessionID,
 		TopLogprobs:       r.TopLogprobs,
+		PromptLogprobs:    r.PromptLogprobs,
 		AddSpecialTokens:  r.AddSpecialTokens,
 		SkipSpecialTokens: r.SkipSpecialTokens,
 		ToolChoice:        r.ToolChoice,

@@ -29,6 +29,7 @@ type Stream struct {
 	text   strings.Builder
 	final  *Result
 	err    error
+	prompt []TokenLogprob // the first delta's PromptLogprobs
 }
 
 // Stream starts req as a streamed request.
@@ -62,10 +63,14 @@ func (s *Stream) Next() bool {
 		if d := msg.GetDelta(); d != nil {
 			s.delta = deltaFrom(d)
 			s.text.WriteString(s.delta.Text)
+			if s.delta.PromptLogprobs != nil {
+				s.prompt = s.delta.PromptLogprobs
+			}
 			return true
 		}
 		if f := msg.GetFinal(); f != nil {
 			s.final = resultFromFinal(f, s.text.String())
+			s.final.PromptLogprobs = s.prompt
 			s.cancel() // the call is over; releases the context's resources
 		}
 	}

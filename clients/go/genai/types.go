@@ -41,6 +41,8 @@ type Delta struct {
 	Text     string
 	TokenIDs []uint32
 	Logprobs []TokenLogprob
+	// PromptLogprobs: the first delta of a request with PromptLogprobs.
+	PromptLogprobs []TokenLogprob
 }
 
 // Result is the whole outcome of one request. FinishReason is one of
@@ -59,6 +61,8 @@ type Result struct {
 	SessionTokens uint32
 	RequestID     string
 	ToolCalls     []ToolCall
+	// PromptLogprobs (Request.PromptLogprobs): entry i is prompt token i+1's.
+	PromptLogprobs []TokenLogprob
 }
 
 // SessionInfo is a server-side session (SessionService).
@@ -128,7 +132,7 @@ func resultFromResponse(r *pb.GenerateResponse) *Result {
 		StopSequence: r.GetStopSequence(), Logprobs: logprobsFrom(r.GetLogprobs()),
 		Usage: usageFrom(r.GetUsage()), Seed: r.GetSeed(), SessionID: r.GetSessionId(),
 		SessionTokens: r.GetSessionTokens(), RequestID: r.GetRequestId(),
-		ToolCalls: toolCallsFrom(r.GetToolCalls()),
+		ToolCalls: toolCallsFrom(r.GetToolCalls()), PromptLogprobs: logprobsFrom(r.GetPromptLogprobs()),
 	}
 }
 
@@ -144,7 +148,10 @@ func resultFromFinal(f *pb.Final, text string) *Result {
 }
 
 func deltaFrom(d *pb.Delta) Delta {
-	return Delta{Text: d.GetText(), TokenIDs: d.GetTokenIds(), Logprobs: logprobsFrom(d.GetLogprobs())}
+	return Delta{
+		Text: d.GetText(), TokenIDs: d.GetTokenIds(), Logprobs: logprobsFrom(d.GetLogprobs()),
+		PromptLogprobs: logprobsFrom(d.GetPromptLogprobs()),
+	}
 }
 
 func sessionFrom(s *pb.Session) SessionInfo {

@@ -26,6 +26,7 @@ import {
   type GenerationResult,
   type ModelInfo,
   type SessionInfo,
+  type TokenLogprob,
   deltaFromProto,
   modelInfoFromProto,
   resultFromProto,
@@ -144,6 +145,7 @@ class Inbox<T> {
 export class GenerationStream implements AsyncIterable<Delta> {
   private readonly inbox: Inbox<import("./gen/genai/v1/generate").GenerateStreamResponse>;
   private readonly texts: string[] = [];
+  private promptLogprobs: TokenLogprob[] = [];
   private final: GenerationResult | undefined;
   private iterating = false;
 
@@ -175,9 +177,10 @@ export class GenerationStream implements AsyncIterable<Delta> {
         if (message === undefined) break;
         if (message.delta !== undefined) {
           this.texts.push(message.delta.text);
+          if (message.delta.promptLogprobs.length) this.promptLogprobs = message.delta.promptLogprobs;
           yield deltaFromProto(message.delta);
         } else if (message.final !== undefined) {
-          this.final = resultFromProto(message.final, this.texts.join(""));
+          this.final = resultFromProto(message.final, this.texts.join(""), this.promptLogprobs);
         }
       }
       if (this.final === undefined) throw new InternalError(Code.INTERNAL, "the stream ended without a final message");

@@ -80,6 +80,8 @@ export interface GenerateOptions {
   // other
   /** N alternatives per token; 0: no logprobs. */
   topLogprobs?: number;
+  /** N alternatives per prompt token: every prompt token's logprob (but the first's). */
+  promptLogprobs?: number;
   priority?: "low" | "normal" | "high";
   addSpecialTokens?: boolean;
   skipSpecialTokens?: boolean;
@@ -109,7 +111,7 @@ const OPTION_NAMES: ReadonlySet<string> = new Set([
   "dryBase", "dryAllowedLength", "dryPenaltyLastN", "drySequenceBreakers", "mirostat", "mirostatTau",
   "mirostatEta", "logitBias", "bannedTokenIds", "allowedTokenIds", "badWords", "maxNewTokens",
   "minNewTokens", "stop", "stopTokenIds", "ignoreEos", "includeStopSequence", "timeLimitMs",
-  "topLogprobs", "priority", "addSpecialTokens", "skipSpecialTokens", "requestId", "cacheSalt",
+  "topLogprobs", "promptLogprobs", "priority", "addSpecialTokens", "skipSpecialTokens", "requestId", "cacheSalt",
   "truncatePromptTokens", "contextOverflow", "jsonSchema", "regex", "grammar", "choice", "jsonObject", "tools", "toolChoice",
 ] satisfies (keyof GenerateOptions)[]);
 
@@ -295,6 +297,7 @@ export function generateRequest(options: GenerateOptions | string): GenerateRequ
     sampling,
     stopping,
     topLogprobs: o.topLogprobs ?? 0,
+    promptLogprobs: o.promptLogprobs ?? 0,
     priority: priorityValue(o.priority),
     addSpecialTokens: o.addSpecialTokens,
     skipSpecialTokens: o.skipSpecialTokens,

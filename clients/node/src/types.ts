@@ -26,6 +26,8 @@ export interface Delta {
   text: string;
   tokenIds: number[];
   logprobs: TokenLogprob[];
+  /** The first delta of a request with `promptLogprobs`. */
+  promptLogprobs: TokenLogprob[];
 }
 
 /** The whole result of a request (a stream's `text` is its deltas' text joined). */
@@ -43,6 +45,8 @@ export interface GenerationResult {
   sessionTokens: number;
   requestId: string;
   toolCalls: ToolCall[];
+  /** `promptLogprobs` asked: entry i is prompt token i + 1's (the first has none). */
+  promptLogprobs: TokenLogprob[];
 }
 
 /** One event of a bidi stream: a request's delta, its result, or its error. */
@@ -84,12 +88,16 @@ export function finishReasonName(value: FinishReason): FinishReasonName {
 }
 
 export function deltaFromProto(delta: DeltaProto): Delta {
-  return { text: delta.text, tokenIds: delta.tokenIds, logprobs: delta.logprobs };
+  return { text: delta.text, tokenIds: delta.tokenIds, logprobs: delta.logprobs, promptLogprobs: delta.promptLogprobs };
 }
 
 const USAGE_ZERO: Usage = { promptTokens: 0, completionTokens: 0, cachedTokens: 0, droppedTokens: 0 };
 
-export function resultFromProto(r: GenerateResponse | Final, text?: string): GenerationResult {
+export function resultFromProto(
+  r: GenerateResponse | Final,
+  text?: string,
+  promptLogprobs?: TokenLogprob[],
+): GenerationResult {
   return {
     text: text ?? (r as GenerateResponse).text,
     tokenIds: r.tokenIds,
@@ -102,6 +110,7 @@ export function resultFromProto(r: GenerateResponse | Final, text?: string): Gen
     sessionTokens: r.sessionTokens,
     requestId: r.requestId,
     toolCalls: r.toolCalls,
+    promptLogprobs: promptLogprobs ?? ("promptLogprobs" in r ? r.promptLogprobs : []),
   };
 }
 

@@ -736,13 +736,33 @@ def _logprobs(
     raw: np.ndarray, tokens: np.ndarray, args: SamplingArgs
 ) -> tuple[np.ndarray | None, list[np.ndarray], list[np.ndarray]]:
     """Chosen-token logprobs and top alternatives under log_softmax(raw)."""
+    return _logprobs_of(raw, tokens, args.want_logprobs, args.top_logprobs)
+
+
+def token_logprobs(
+    raw: np.ndarray, tokens: np.ndarray, top: int
+) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+    """For each row of ``raw`` [N, V]: the logprob of ``tokens[i]`` and the
+    ``top`` most likely alternatives under log_softmax(raw), computed as a
+    sampled token's are (prompt logprobs)."""
+    n = raw.shape[0]
+    lps, ids, tops = _logprobs_of(
+        raw, np.asarray(tokens, dtype=np.int64), np.ones(n, dtype=bool), np.full(n, top)
+    )
+    assert lps is not None
+    return lps, ids, tops
+
+
+def _logprobs_of(
+    raw: np.ndarray, tokens: np.ndarray, want_logprobs: np.ndarray, top_logprobs: np.ndarray
+) -> tuple[np.ndarray | None, list[np.ndarray], list[np.ndarray]]:
     b, v = raw.shape
     no_ids = np.zeros(0, dtype=np.int64)
     no_lps = np.zeros(0, dtype=np.float32)
     top_ids = [no_ids] * b
     top_lps = [no_lps] * b
-    n_top = np.minimum(args.top_logprobs, v)
-    lr = np.flatnonzero(args.want_logprobs | (n_top > 0))
+    n_top = np.minimum(top_logprobs, v)
+    lr = np.flatnonzero(want_logprobs | (n_top > 0))
     if not lr.size:
         return None, top_ids, top_lps
     r = raw if lr.size == b else raw[lr]  # [L, V]; read only

@@ -227,6 +227,7 @@ class HttpGateway:
         try:
             while not openai_reply.is_final(event):
                 text.append(event.text)
+                reply.seen(event)
                 event = await anext(events)
         except Exception as exc:
             return self._failure(name, exc, started, call.names)

@@ -112,7 +112,7 @@ _FIELDS = {
         "tools",
         "tool_choice",
     },
-    COMPLETIONS: _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"},
+    COMPLETIONS: _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix", "prompt_logprobs"},
 }
 
 
@@ -127,6 +127,8 @@ class Call:
     logprobs: int | None = None  # alternatives per token to return; None: no logprobs
     # proto field path → the JSON field the client sent (error messages name it).
     names: dict[str, str] = field(default_factory=dict)
+    echo: str | None = None  # completions' echo: the prompt text, before the answer
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field, as asked
 
 
 # -- requests ---------------------------------------------------------------------
@@ -507,16 +509,31 @@ def _completions(body: Mapping[str, Any], call: Call) -> None:
         )
     for proto in ("input", "text", "token_ids"):
         call.names[proto] = "prompt"
+    _logprobs(call, _integer(body, "logprobs"))
     if _boolean(body, "echo"):
-        raise InvalidArgument("echo: true is not supported")
+        # OpenAI's echo: the prompt before the answer, and with logprobs its
+        # tokens' logprobs too (the first token's null).
+        if not request.HasField("text"):
+            raise InvalidArgument("echo: needs a text prompt, not token ids")
+        call.echo = request.text
+        if call.logprobs is not None:
+            request.prompt_logprobs = max(call.logprobs, 1)
+            call.names["prompt_logprobs"] = "echo"
+    asked = _non_negative("prompt_logprobs", _integer(body, "prompt_logprobs"))
+    if asked:  # vLLM's: every prompt token's logprob with N alternatives
+        if asked >= 2**32:
+            raise InvalidArgument(f"prompt_logprobs: {asked} is out of range")
+        call.prompt_logprobs = asked
+        request.prompt_logprobs = max(request.prompt_logprobs, asked)
     suffix = _string(body, "suffix")
     if suffix is not None:
         # OpenAI's insert mode: fill in between the prompt and the suffix.
         if not request.HasField("text"):
             raise InvalidArgument("suffix: needs a text prompt, not token ids")
+        if call.echo is not None:
+            raise InvalidArgument("suffix: not with echo")
         request.fim.CopyFrom(generate_pb2.Fim(prefix=request.text, suffix=suffix))
         call.names["fim"] = "suffix"
-    _logprobs(call, _integer(body, "logprobs"))
 
 
 def continuation(

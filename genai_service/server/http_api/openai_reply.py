@@ -123,8 +123,15 @@ def tool_calls(calls: Sequence[common_pb2.ToolCall]) -> list[dict[str, Any]]:
     ]
 
 
-def logprobs(call: Call, items: Sequence[common_pb2.TokenLogprob], offset: int = 0) -> Any:
-    """A choice's ``logprobs`` in the shape of the call's endpoint (None: none asked)."""
+def logprobs(
+    call: Call,
+    items: Sequence[common_pb2.TokenLogprob | None],
+    offset: int = 0,
+    first_text: str = "",
+) -> Any:
+    """A choice's ``logprobs`` in the shape of the call's endpoint (None: none
+    asked). A None item (an echoed prompt's first token, ``first_text``) has
+    null logprobs."""
     if call.logprobs is None:
         return None
     n = call.logprobs
@@ -140,16 +147,20 @@ def logprobs(call: Call, items: Sequence[common_pb2.TokenLogprob], offset: int =
                     "top_logprobs": [entry(a.text, a.logprob) for a in t.top[:n]],
                 }
                 for t in items
+                if t is not None
             ]
         }
+    texts = [first_text if t is None else t.text for t in items]
     offsets, at = [], offset
-    for t in items:
+    for text in texts:
         offsets.append(at)
-        at += len(t.text)
+        at += len(text)
     return {
-        "tokens": [t.text for t in items],
-        "token_logprobs": [t.logprob for t in items],
-        "top_logprobs": [{a.text: a.logprob for a in t.top[:n]} for t in items],
+        "tokens": texts,
+        "token_logprobs": [None if t is None else t.logprob for t in items],
+        "top_logprobs": [
+            None if t is None else {a.text: a.logprob for a in t.top[:n]} for t in items
+        ],
         "text_offset": offsets,
     }
 
@@ -173,6 +184,43 @@ class Reply:
         )
         self.buffer = ""
         self.in_call = False
+        self.prompt_lps: Sequence[common_pb2.TokenLogprob] = ()  # the first delta's
+        self.echoed = False
+        self.sent_first = False
+
+    def seen(self, delta: generate_pb2.Delta) -> None:
+        """Note a delta of a unary call (its prompt logprobs, on the first)."""
+        if delta.prompt_logprobs:
+            self.prompt_lps = delta.prompt_logprobs
+
+    def _with_echo(self, text: str, items: Sequence[common_pb2.TokenLogprob]) -> tuple[str, Any]:
+        """The text and logprobs of a completion's choice: with echo, the prompt
+        first, and its tokens' logprobs (the first token's null; its text is
+        what the other tokens' texts leave of the prompt)."""
+        if self.call.echo is None or self.echoed:
+            return text, logprobs(self.call, items, self.text_len)
+        self.echoed = True
+        prompt = self.call.echo
+        if not self.prompt_lps:
+            return prompt + text, logprobs(self.call, items, len(prompt))
+        rest = "".join(t.text for t in self.prompt_lps)
+        first = prompt[: len(prompt) - len(rest)] if prompt.endswith(rest) else ""
+        lps = logprobs(self.call, [None, *self.prompt_lps, *items], 0, first)
+        return prompt + text, lps
+
+    def _vllm_prompt_logprobs(self) -> list[Any] | None:
+        """vLLM's ``prompt_logprobs``: None for the first prompt token, then per
+        token its own and the top alternatives' logprobs by token id."""
+        n = self.call.prompt_logprobs
+        if n is None:
+            return None
+        out: list[Any] = [None]
+        for t in self.prompt_lps:
+            entry = {str(t.token_id): {"logprob": t.logprob, "decoded_token": t.text}}
+            for a in t.top[:n]:
+                entry.setdefault(str(a.token_id), {"logprob": a.logprob, "decoded_token": a.text})
+            out.append(entry)
+        return out
 
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -196,9 +244,15 @@ class Reply:
         if self.call.kind == CHAT and final.tool_calls:
             content = text.split(TOOL_CALL_OPEN, 1)[0].strip() or None
         body = self._base(self.object)
-        body["choices"] = [
-            self._choice(content, logprobs(self.call, final.logprobs), finish_reason(final), final)
-        ]
+        if self.call.kind == CHAT:
+            lps = logprobs(self.call, final.logprobs)
+        else:
+            content, lps = self._with_echo(text, final.logprobs)
+        choice = self._choice(content, lps, finish_reason(final), final)
+        prompt_lps = self._vllm_prompt_logprobs()
+        if prompt_lps is not None:
+            choice["prompt_logprobs"] = prompt_lps
+        body["choices"] = [choice]
         body["usage"] = usage(final.usage)
         body["system_fingerprint"] = None
         return body
@@ -235,10 +289,18 @@ class Reply:
         return out
 
     def delta_chunk(self, delta: generate_pb2.Delta) -> dict[str, Any] | None:
+        if self.call.kind == COMPLETIONS:
+            self.seen(delta)
+            first, self.sent_first = not self.sent_first, True
+            text, lps = self._with_echo(delta.text, delta.logprobs)
+            self.text_len += len(text)
+            chunk = self._chunk(text, lps, None)
+            prompt_lps = self._vllm_prompt_logprobs() if first else None
+            if prompt_lps is not None:
+                chunk["choices"][0]["prompt_logprobs"] = prompt_lps
+            return chunk
         lps = logprobs(self.call, delta.logprobs, self.text_len)
         self.text_len += len(delta.text)
-        if self.call.kind == COMPLETIONS:
-            return self._chunk(delta.text, lps, None)
         text = self._visible(delta.text, end=False)
         d: dict[str, Any] = {"content": text}
         if not self.sent_role:
