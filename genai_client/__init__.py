@@ -27,6 +27,7 @@ from genai_client.errors import (
 from genai_client.types import (
     BidiEvent,
     ChatMessage,
+    Completion,
     Delta,
     GenerationResult,
     KvLayout,
@@ -49,6 +50,7 @@ __all__ = [
     "BidiStream",
     "CancelledError",
     "ChatMessage",
+    "Completion",
     "Client",
     "DeadlineExceededError",
     "Delta",

@@ -25,6 +25,7 @@ from genai_client._request import (  # noqa: F401 (the request side, re-exported
 from genai_client.errors import InternalError, error_from_status
 from genai_client.types import (
     BidiEvent,
+    Completion,
     Delta,
     GenerationResult,
     KvLayout,
@@ -85,6 +86,25 @@ def delta_from_proto(delta: generate_pb2.Delta) -> Delta:
         token_ids=tuple(delta.token_ids),
         logprobs=_logprobs(delta.logprobs),
         prompt_logprobs=_logprobs(delta.prompt_logprobs),
+        index=delta.index,
+    )
+
+
+def _completions(
+    items: Iterable[generate_pb2.Completion], texts: Mapping[int, str] | None = None
+) -> tuple[Completion, ...]:
+    """GenerateResponse/Final completions; ``texts``: a stream's text per index."""
+    return tuple(
+        Completion(
+            index=c.index,
+            text=texts.get(c.index, "") if texts is not None else c.text,
+            token_ids=tuple(c.token_ids),
+            finish_reason=finish_reason_name(c.finish_reason),
+            stop_sequence=c.stop_sequence,
+            logprobs=_logprobs(c.logprobs),
+            tool_calls=_tool_calls(c.tool_calls),
+        )
+        for c in items
     )
 
 
@@ -102,6 +122,7 @@ def result_from_response(response: generate_pb2.GenerateResponse) -> GenerationR
         request_id=response.request_id,
         tool_calls=_tool_calls(response.tool_calls),
         prompt_logprobs=_logprobs(response.prompt_logprobs),
+        completions=_completions(response.completions),
     )
 
 
@@ -372,16 +393,29 @@ class StreamState:
         self._text: list[str] = []
         self._result: GenerationResult | None = None
         self._prompt_logprobs: tuple[TokenLogprob, ...] = ()  # the first delta's
+        self._texts: dict[int, list[str]] = {}  # n > 1: each completion's deltas' text
 
     def _absorb(self, response: Any) -> Delta | None:
         """Record one stream message; the delta to hand out, if it is one."""
+        if response.WhichOneof("event") == "delta" and response.delta.index:
+            # completion 0's text is the stream's own (``text``), the others' apart
+            delta = delta_from_proto(response.delta)
+            self._texts.setdefault(delta.index, []).append(delta.text)
+            if delta.prompt_logprobs:
+                self._prompt_logprobs = delta.prompt_logprobs
+            return delta
         item = stream_event(response, self._text)
         if isinstance(item, Delta):
             if item.prompt_logprobs:
                 self._prompt_logprobs = item.prompt_logprobs
             return item
         if item is not None:
-            self._result = dataclasses.replace(item, prompt_logprobs=self._prompt_logprobs)
+            texts = {i: "".join(t) for i, t in self._texts.items()} | {0: item.text}
+            self._result = dataclasses.replace(
+                item,
+                prompt_logprobs=self._prompt_logprobs,
+                completions=_completions(response.final.completions, texts),
+            )
         return None
 
     def _check_finished(self) -> None:

@@ -45,7 +45,9 @@ class GenerateOptions(TypedDict, total=False):
     Other: ``session_id`` (make the request a turn of that session),
     ``top_logprobs`` (N alternatives per token; 0: no logprobs),
     ``prompt_logprobs`` (N: every prompt token's logprob with N alternatives,
-    in ``GenerationResult.prompt_logprobs``), ``priority``
+    in ``GenerationResult.prompt_logprobs``), ``n`` and ``best_of`` (several
+    completions, in ``GenerationResult.completions``; a stream's deltas name
+    theirs in ``Delta.index``), ``priority``
     ("low", "normal" or "high"), ``add_special_tokens``,
     ``skip_special_tokens``, ``request_id`` (default: the server assigns one;
     ``bidi().start`` generates one), ``cache_salt`` (only requests with the
@@ -104,6 +106,8 @@ class GenerateOptions(TypedDict, total=False):
     time_limit_ms: int | None
     top_logprobs: int | None
     prompt_logprobs: int | None
+    n: int | None
+    best_of: int | None
     priority: str | None
     add_special_tokens: bool | None
     skip_special_tokens: bool | None
@@ -252,6 +256,8 @@ def generate_request(
     time_limit_ms: int | None = None,
     top_logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    n: int | None = None,
+    best_of: int | None = None,
     priority: str | None = None,
     add_special_tokens: bool | None = None,
     skip_special_tokens: bool | None = None,
@@ -291,6 +297,7 @@ def generate_request(
         session_id=session_id or "",
         top_logprobs=top_logprobs or 0,
         prompt_logprobs=prompt_logprobs or 0,
+        n=n or 0,
         priority=priority_proto(priority),
         context_overflow=context_overflow_proto(context_overflow),
     )
@@ -312,6 +319,7 @@ def generate_request(
         skip_special_tokens=skip_special_tokens,
         cache_salt=cache_salt,
         truncate_prompt_tokens=truncate_prompt_tokens,
+        best_of=best_of,
     )
     sampling = generate_pb2.SamplingParams()
     _set_optional(

@@ -270,6 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="IDS",
         help="comma-separated prompt token ids instead of text",
     )
+    gen.add_argument("-n", type=int, metavar="N", help="completions to return (printed in turn)")
+    gen.add_argument(
+        "--best-of", type=int, metavar="N", help="generate N, return the -n most likely"
+    )
     gen.add_argument("--fim-prefix", metavar="TEXT", help="fill in the middle: the text before")
     gen.add_argument("--fim-suffix", metavar="TEXT", help="fill in the middle: the text after")
     gen.add_argument("--fim-mode", choices=["psm", "spm"], help="FIM prompt order (default psm)")
@@ -375,7 +379,7 @@ def _print_json(value: Any, out: TextIO) -> None:
 
 def _generate(client: Client, args: argparse.Namespace, out: TextIO) -> int:
     options = _options(args)
-    for key in ("session_id", "request_id"):
+    for key in ("session_id", "request_id", "n", "best_of"):
         if getattr(args, key):
             options[key] = getattr(args, key)
     prompt = args.prompt
@@ -401,6 +405,12 @@ def _generate(client: Client, args: argparse.Namespace, out: TextIO) -> int:
         prompt = None
     if args.json:
         out.write(_convert.result_to_json(client.generate(prompt, **options)) + "\n")
+        return 0
+    if (args.n or 1) > 1 or (args.best_of or 1) > 1:
+        # several completions: each whole, in index order
+        result = client.generate(prompt, **options)
+        for c in result.completions:
+            out.write(f"[{c.index}] {c.text}\n")
         return 0
     with client.stream(prompt, **options) as stream:
         for delta in stream:

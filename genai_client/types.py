@@ -96,6 +96,7 @@ class Delta:
     logprobs: tuple[TokenLogprob, ...] = ()
     # The first delta of a request with prompt_logprobs: entry i is prompt token i + 1's.
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    index: int = 0  # n > 1: the completion these tokens belong to
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,21 @@ class GenerationResult:
     tool_calls: tuple[ToolCall, ...] = ()  # when the model called offered tools
     # prompt_logprobs=N: entry i is the logprob of prompt token i + 1 (the first has none)
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    # n > 1: every completion, index order (the fields above are completion 0's)
+    completions: tuple[Completion, ...] = ()
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One of the completions of a request with ``n`` > 1."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    stop_sequence: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass(frozen=True)

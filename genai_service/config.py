@@ -246,6 +246,9 @@ class LimitsConfig:
     max_cache_salt_chars: int = 256
     max_logit_bias: int = flag(1024, help="most logit_bias entries a request may give", metavar="N")
     max_bad_words: int = 128
+    max_completions: int = flag(
+        16, help="largest n (and best_of) a request may ask for", metavar="N"
+    )
     max_constraint_bytes: int = flag(
         65_536,
         help="largest structured-output constraint (schema, regex, grammar or choices), "
@@ -265,6 +268,7 @@ class LimitsConfig:
             "max_constraint_bytes",
             "max_logit_bias",
             "max_bad_words",
+            "max_completions",
         ):
             _positive(name, getattr(self, name))
         if self.max_top_logprobs < 0:

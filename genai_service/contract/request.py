@@ -153,6 +153,10 @@ class GenerationRequest:
     # N >= 1: the logprob of every prompt token given those before it, with N
     # alternatives (RequestOutput.prompt_logprobs); 0: none.
     prompt_logprobs: int = 0
+    # Completions to return, and to generate (best_of >= n; None: n): the n
+    # of highest cumulative logprob (engine/completions.py).
+    n: int = 1
+    best_of: int | None = None
 
 
 @dataclass(frozen=True)
@@ -207,6 +211,9 @@ class RequestOutput:
     # GenerationRequest.prompt_logprobs: in the request's first output only;
     # entry i is prompt token i + 1's (the first token has none).
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    # n > 1: the completion this output belongs to (its last one has a
+    # finish_reason but finished False); -1: the request's end (usage only).
+    index: int = 0
 
 
 @dataclass(frozen=True)
@@ -224,6 +231,27 @@ class GenerationResult:
     session_id: str | None
     session_tokens: int
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    # n > 1: every completion (index order); the fields above are completion 0's.
+    completions: tuple[Completion, ...] = ()
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One of the completions of a request with n > 1."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...]
+    finish_reason: FinishReason | None
+    stop_sequence: str
+
+
+def by_completion(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """The outputs of a request with several completions, merged per completion
+    (index order); a plain request's: its outputs merged, as one."""
+    indexes = sorted({o.index for o in outputs if o.index >= 0})
+    return [merge_outputs(*[o for o in outputs if o.index == i]) for i in indexes]
 
 
 @dataclass(frozen=True)
@@ -266,6 +294,8 @@ def collect(outputs: list[RequestOutput]) -> GenerationResult:
     """Fold a request's deltas into one result; raises the request's error."""
     if not outputs:
         raise ValueError("no outputs to collect")
+    if outputs[-1].index < 0:  # several completions
+        return _collect_completions(outputs)
     last = merge_outputs(*outputs)
     if last.error is not None:
         raise last.error
@@ -283,4 +313,37 @@ def collect(outputs: list[RequestOutput]) -> GenerationResult:
         session_id=last.session_id,
         session_tokens=last.session_tokens,
         prompt_logprobs=last.prompt_logprobs,
+    )
+
+
+def _collect_completions(outputs: list[RequestOutput]) -> GenerationResult:
+    end = outputs[-1]
+    if end.error is not None:
+        raise end.error
+    assert end.usage is not None
+    completions = tuple(
+        Completion(
+            index=o.index,
+            text=o.text,
+            token_ids=o.token_ids,
+            logprobs=o.logprobs,
+            finish_reason=o.finish_reason,
+            stop_sequence=o.stop_sequence,
+        )
+        for o in by_completion(outputs)
+    )
+    first = completions[0]
+    return GenerationResult(
+        request_id=end.request_id,
+        text=first.text,
+        token_ids=first.token_ids,
+        logprobs=first.logprobs,
+        finish_reason=first.finish_reason or FinishReason.MAX_TOKENS,
+        stop_sequence=first.stop_sequence,
+        usage=end.usage,
+        seed=end.seed,
+        session_id=None,
+        session_tokens=0,
+        prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs), ()),
+        completions=completions,
     )

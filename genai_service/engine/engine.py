@@ -36,6 +36,7 @@ from ..contract.sessions import SessionInfo, SessionPage
 from ..guidance.constraints import Guidance
 from ..model.model_dir import ModelSpec, load_model_spec
 from ..model.tokenizer import Tokenizer
+from .completions import Completions
 from .in_process import InProcessDriver
 from .kv.kv_chunk_store import KvChunkStore
 from .kv.window import SlidePolicy, next_lineage
@@ -49,7 +50,12 @@ from .sessions.restores import HeldOutputs, ParkedRequests, PendingCall, Session
 from .sessions.sessions import Session, SessionTable, slide_turn_ends
 from .speculation import Speculation
 from .text.token_texts import TokenTexts
-from .validation import resolve_max_new_tokens, truncate_prompt, validate_request
+from .validation import (
+    resolve_max_new_tokens,
+    truncate_prompt,
+    validate_completions,
+    validate_request,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -100,6 +106,7 @@ class LLMEngine(InProcessDriver):
         )
         # Reused KV is attached when a sequence is admitted to its first step.
         self.scheduler = Scheduler(config.scheduler, admit=self._admit)
+        self.completions = Completions()  # requests with n > 1 or best_of > 1
         self.window, self.slide_kv = self._slide_policy(config, context)
         self._slides_due: list[Sequence] = []  # reached the window this step
         # Aliases read by the engine process and tests; ``remote`` also carries
@@ -207,8 +214,12 @@ class LLMEngine(InProcessDriver):
         A turn of a session that is not in memory waits outside the scheduler
         for its record; if it then cannot run, its one output carries the error."""
         rid = request.request_id
-        if rid in self._requests or rid in self._parked:
+        if rid in self._requests or rid in self._parked or self.completions.is_group(rid):
             raise InvalidArgument(f"request_id: {rid!r} is already in flight")
+        validate_completions(request, self.config.limits)
+        if max(request.n, request.best_of or 1) > 1:
+            self._queue_completions(request)
+            return
         if request.session_id is None:
             self._queue(request, None)
             return
@@ -226,7 +237,29 @@ class LLMEngine(InProcessDriver):
                 )
             self._parked.park(request, queued)
 
-    def _queue(self, request: GenerationRequest, session: Session | None) -> None:
+    def _queue_completions(self, request: GenerationRequest) -> None:
+        """A request for several completions: its member requests (``Completions``),
+        member 0 prefilling the prompt that the others then copy (``_admit``)."""
+        members = self.completions.split(request)
+        try:
+            for member in members:
+                leader = self._requests.get(members[0].request_id)
+                self._queue(member, None, leader)
+        except GenAIError:
+            for member in members:
+                if member.request_id in self._requests:
+                    self._finish(
+                        self._requests[member.request_id],
+                        FinishReason.CANCELLED,
+                        emit=False,
+                        abort=True,
+                    )
+            self.completions.forget(request.request_id)
+            raise
+
+    def _queue(
+        self, request: GenerationRequest, session: Session | None, leader: Sequence | None = None
+    ) -> None:
         history = session.history if session is not None else []
         request, dropped = truncate_prompt(
             request, self.config.context.sink_tokens, session is not None
@@ -280,6 +313,7 @@ class LLMEngine(InProcessDriver):
                 max_new_tokens=resolve_max_new_tokens(request, self.config.limits),
             )
             seq.matcher = matcher
+            seq.leader = leader
             seq.dropped_tokens = dropped
             if request.prompt_logprobs:
                 seq.prompt_logprobs = []
@@ -299,11 +333,29 @@ class LLMEngine(InProcessDriver):
 
     def _schedule(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
-        self.kv_reuse.start_prefetch(seq)
+        if seq.leader is None:  # (a completion's other members copy member 0's prompt KV)
+            self.kv_reuse.start_prefetch(seq)
 
     def _admit(self, seq: Sequence) -> bool:
-        """Before a sequence's first step: attach its reused KV, then slide a
-        turn whose history and input pass the window."""
+        """Before a sequence's first step: attach its reused KV (a completion's
+        member: the prompt KV its member 0 computed), then slide a turn whose
+        history and input pass the window."""
+        leader = seq.leader
+        if leader is not None:
+            need = seq.prompt_len - 1  # its own step computes the last prompt token
+            if leader.status is SeqStatus.RUNNING and leader.num_computed < need:
+                return False  # member 0 is still prefilling the prompt
+            seq.leader = None
+            if (
+                need > 0
+                and leader.status is SeqStatus.RUNNING
+                and self.runner.kv_len(leader.seq_id) >= need
+            ):
+                self.runner.write_kv(seq.seq_id, self.runner.read_kv(leader.seq_id, 0, need))
+                seq.num_computed = need
+                self.counters["completion_shared_prompt_tokens"] += need
+                return True
+            # member 0 is gone (finished, failed): the prefix cache, or a recompute
         if not self.kv_reuse.attach(seq):
             return False
         if seq.lineage and seq.num_computed <= min(self.config.context.sink_tokens, seq.prompt_len):
@@ -371,6 +423,8 @@ class LLMEngine(InProcessDriver):
         if self._parked.cancel(request_id):
             self.counters["requests_aborted"] += 1
             return True
+        if self.completions.is_group(request_id):
+            return any([self.abort(m) for m in self.completions.members(request_id)])
         seq = self._requests.get(request_id)
         if seq is None or seq.status in (SeqStatus.FINISHED, SeqStatus.COMMITTING):
             return False
@@ -422,6 +476,17 @@ class LLMEngine(InProcessDriver):
         return self.config.kvstore.timeout_s if self.config.kvstore else 1.0
 
     def step(self) -> list[RequestOutput]:
+        outputs = self._step()
+        if not self.completions.active:
+            return outputs
+        outputs, abort = self.completions.relabel(outputs)
+        for member in abort:  # the rest of a group one of whose members failed
+            seq = self._requests.get(member)
+            if seq is not None and seq.status not in (SeqStatus.FINISHED, SeqStatus.COMMITTING):
+                self._finish(seq, FinishReason.CANCELLED, emit=False, abort=True)
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         outputs, stored = self._housekeeping()
         batch = self.scheduler.schedule()
         self.last_step_idle = not batch and not stored

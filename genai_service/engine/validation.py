@@ -235,3 +235,16 @@ def _validate_logit_controls(
                 f"sampling.bad_words[{i}]: {len(w)} characters; allowed 1 to "
                 f"{limits.max_stop_sequence_chars}"
             )
+
+
+def validate_completions(request: GenerationRequest, limits: LimitsConfig) -> None:
+    """``n`` and ``best_of`` of a request (checked before it is split into
+    its completions' member requests)."""
+    _Range("n", 1, limits.max_completions).check(request.n)
+    if request.best_of is not None:
+        _Range("best_of", request.n, limits.max_completions).check(request.best_of)
+    if request.session_id is not None and max(request.n, request.best_of or 1) > 1:
+        raise InvalidArgument(
+            "n: several completions are not possible in a session turn (a session has one "
+            "history); fork the session (ForkSession) for each"
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -22,6 +23,7 @@ from ..contract.request import (
     SamplingParams,
     StoppingCriteria,
     TokenLogprob,
+    by_completion,
     merge_outputs,
 )
 from ..contract.sessions import SessionInfo
@@ -233,6 +235,8 @@ def generation_request(
         stopping=stopping,
         top_logprobs=request.top_logprobs,
         prompt_logprobs=request.prompt_logprobs,
+        n=max(request.n, 1),
+        best_of=_opt(request, "best_of"),  # type: ignore[arg-type]
         priority=_PRIORITY[request.priority],
         session_id=request.session_id or None,
         skip_special_tokens=(
@@ -285,12 +289,52 @@ def delta(out: RequestOutput) -> generate_pb2.Delta:
         token_ids=list(out.token_ids),
         logprobs=logprobs(out.logprobs),
         prompt_logprobs=logprobs(out.prompt_logprobs),
+        index=max(out.index, 0),
     )
 
 
 def final(outputs: Sequence[RequestOutput], tools: ToolUse | None = None) -> generate_pb2.Final:
     """The ``Final`` event of a finished request, from all of its outputs."""
-    return _final(merge_outputs(*outputs), tools)
+    whole, completions = _whole(outputs, tools)
+    f = _final(whole, tools)
+    for c in completions:
+        c.text = ""  # the deltas carry it
+    f.completions.extend(completions)
+    return f
+
+
+def _whole(
+    outputs: Sequence[RequestOutput], tools: ToolUse | None
+) -> tuple[RequestOutput, list[generate_pb2.Completion]]:
+    """A request's outputs as one (completion 0's, with the end's usage, for
+    n > 1) and its completions (none for n = 1)."""
+    if outputs[-1].index >= 0:
+        return merge_outputs(*outputs), []
+    end = outputs[-1]
+    each = by_completion(list(outputs))
+    completions = [
+        generate_pb2.Completion(
+            index=c.index,
+            text=c.text,
+            token_ids=list(c.token_ids),
+            finish_reason=_FINISH[c.finish_reason or FinishReason.MAX_TOKENS],
+            stop_sequence=c.stop_sequence,
+            logprobs=logprobs(c.logprobs),
+            tool_calls=tools.calls(c.text) if tools is not None else (),
+        )
+        for c in each
+    ]
+    first = each[0]
+    whole = dataclasses.replace(
+        end,
+        token_ids=first.token_ids,
+        text=first.text,
+        logprobs=first.logprobs,
+        finish_reason=first.finish_reason or end.finish_reason,
+        stop_sequence=first.stop_sequence,
+        prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs), ()),
+    )
+    return whole, completions
 
 
 def _final(whole: RequestOutput, tools: ToolUse | None = None) -> generate_pb2.Final:
@@ -318,7 +362,7 @@ def _final(whole: RequestOutput, tools: ToolUse | None = None) -> generate_pb2.F
 def generate_response(
     outputs: Sequence[RequestOutput], tools: ToolUse | None = None
 ) -> generate_pb2.GenerateResponse:
-    whole = merge_outputs(*outputs)
+    whole, completions = _whole(outputs, tools)
     f = _final(whole, tools)
     return generate_pb2.GenerateResponse(
         text=whole.text,
@@ -333,6 +377,7 @@ def generate_response(
         request_id=f.request_id,
         tool_calls=f.tool_calls,
         prompt_logprobs=logprobs(whole.prompt_logprobs),
+        completions=completions,
     )
 
 

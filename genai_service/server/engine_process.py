@@ -337,16 +337,24 @@ class EngineProcess:
                     item, held, pending = pending, item, None  # what came before, then it
                 else:
                     if pending is not None:
-                        if cap is not None and len(pending.token_ids) + len(item.token_ids) > cap:
-                            item, held, pending = pending, item, None  # at most cap per delta
+                        if pending.index != item.index or (
+                            cap is not None and len(pending.token_ids) + len(item.token_ids) > cap
+                        ):
+                            # at most cap per delta; one completion per delta (n > 1)
+                            item, held, pending = pending, item, None
                         else:
                             item, pending = merge_outputs(pending, item), None
                     # (With a stream_interval, a request's first tokens go out alone.)
                     first = cap is not None and not sent_tokens and bool(item.token_ids)
                     while held is None and not item.finished and not first and not queue.empty():
                         following = queue.get_nowait()
-                        if following.error is not None or (
-                            cap is not None and len(item.token_ids) + len(following.token_ids) > cap
+                        if (
+                            following.error is not None
+                            or following.index != item.index
+                            or (
+                                cap is not None
+                                and len(item.token_ids) + len(following.token_ids) > cap
+                            )
                         ):
                             held = following
                             break

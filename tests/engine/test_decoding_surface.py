@@ -12,7 +12,12 @@ import pytest
 
 from genai_common.errors import InvalidArgument
 from genai_service.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig
-from genai_service.contract.request import GenerationRequest, SamplingParams, StoppingCriteria
+from genai_service.contract.request import (
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    StoppingCriteria,
+)
 from genai_service.engine.engine import LLMEngine
 from genai_service.engine.sessions.sessions import session_from_record, session_record
 from tests.tiny_model import (
@@ -174,3 +179,76 @@ def test_prompt_logprobs_refused_on_a_turn_with_history(tiny_model_dir: Path) ->
     with pytest.raises(InvalidArgument) as err:
         eng.generate(dataclasses.replace(request("t2", n=2), session_id=sid, prompt_logprobs=1))
     assert str(err.value).startswith("prompt_logprobs: not on a session turn that has history")
+
+
+def test_n_completions_share_one_prefill_and_each_equals_its_own_seed(
+    tiny_model_dir: Path,
+) -> None:
+    eng = engine(tiny_model_dir)
+    before = eng.counters["computed_tokens"]
+    out = eng.generate(dataclasses.replace(request("g", temperature=1.0, seed=40), n=3))
+    computed = eng.counters["computed_tokens"] - before
+    assert [c.index for c in out.completions] == [0, 1, 2]
+    assert out.seed == 40
+    # The prompt once, then every member's last prompt token and its decode steps.
+    assert computed == len(PROMPT) + 2 + 3 * 11
+    assert eng.counters["completion_shared_prompt_tokens"] == 2 * (len(PROMPT) - 1)
+    assert out.usage.prompt_tokens == len(PROMPT)
+    assert out.usage.completion_tokens == 3 * 12
+    for c in out.completions:
+        alone = eng.generate(request(f"a{c.index}", temperature=1.0, seed=40 + c.index))
+        assert c.token_ids == alone.token_ids
+    assert out.token_ids == out.completions[0].token_ids
+    assert len({c.token_ids for c in out.completions}) > 1
+
+
+def test_best_of_returns_the_completions_of_highest_cumulative_logprob(
+    tiny_model_dir: Path,
+) -> None:
+    eng = engine(tiny_model_dir)
+    out = eng.generate(dataclasses.replace(request("b", temperature=1.5, seed=7), n=2, best_of=4))
+    scores = []
+    for i in range(4):
+        alone = eng.generate(
+            dataclasses.replace(request(f"s{i}", temperature=1.5, seed=7 + i), top_logprobs=1)
+        )
+        scores.append((-sum(lp.logprob for lp in alone.logprobs), i, alone.token_ids))
+    best = sorted(scores)[:2]
+    assert [c.token_ids for c in out.completions] == [t for _, _, t in best]
+    assert all(not c.logprobs for c in out.completions)  # not asked for
+    assert out.usage.completion_tokens == 4 * 12
+
+
+def test_n_is_validated_and_refused_on_a_session_turn(tiny_model_dir: Path) -> None:
+    eng = engine(tiny_model_dir)
+    with pytest.raises(InvalidArgument) as err:
+        eng.generate(dataclasses.replace(request("x"), n=17))
+    assert str(err.value) == "n: 17 is out of range; allowed [1, 16]"
+    with pytest.raises(InvalidArgument) as err:
+        eng.generate(dataclasses.replace(request("y"), n=3, best_of=2))
+    assert str(err.value) == "best_of: 2 is out of range; allowed [3, 16]"
+    sid = eng.wait(eng.create_session()).session_id
+    with pytest.raises(InvalidArgument) as err:
+        eng.generate(dataclasses.replace(request("z"), n=2, session_id=sid))
+    assert str(err.value).startswith("n: several completions are not possible in a session")
+
+
+def test_aborting_a_request_for_several_completions_ends_every_member(
+    tiny_model_dir: Path,
+) -> None:
+    eng = engine(tiny_model_dir)
+    eng.add_request(dataclasses.replace(request("c", n=40, temperature=1.0), n=3))
+    outputs = eng.step() + eng.step()
+    assert eng.abort("c")
+    while eng.has_unfinished():
+        outputs += eng.step()
+    end = [o for o in outputs if o.finished]
+    assert len(end) == 1 and end[0].index == -1
+    reasons = {o.index: o.finish_reason for o in outputs if o.finish_reason is not None}
+    assert reasons == {
+        0: FinishReason.CANCELLED,
+        1: FinishReason.CANCELLED,
+        2: FinishReason.CANCELLED,
+        -1: FinishReason.CANCELLED,
+    }
+    assert not eng.completions.active

@@ -679,3 +679,47 @@ def test_prompt_logprobs_over_grpc_and_echo_over_http(
     assert entries[0] is None and len(entries) == len(ids)
     first = whole.prompt_logprobs[0]
     assert entries[1][str(first.token_id)]["logprob"] == pytest.approx(first.logprob)
+
+
+def test_several_completions_over_grpc_and_http(
+    client: openai.OpenAI, server: ServerThread
+) -> None:
+    with Client(server.target) as grpc:
+        whole = grpc.generate("Once", max_new_tokens=6, temperature=1.0, seed=11, n=3)
+        assert [c.index for c in whole.completions] == [0, 1, 2]
+        assert whole.text == whole.completions[0].text
+        for c in whole.completions:
+            alone = grpc.generate("Once", max_new_tokens=6, temperature=1.0, seed=11 + c.index)
+            assert (c.text, c.token_ids) == (alone.text, alone.token_ids)
+        with grpc.stream("Once", max_new_tokens=6, temperature=1.0, seed=11, n=3) as stream:
+            deltas = list(stream)
+        assert {d.index for d in deltas} == {0, 1, 2}
+        assert stream.result.completions == whole.completions
+        assert stream.result.usage.completion_tokens == whole.usage.completion_tokens == 18
+    r = client.completions.create(
+        model="any", prompt="Once", max_tokens=6, temperature=1.0, seed=11, n=3
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [c.text for c in whole.completions]
+    chat = client.chat.completions.create(
+        model="any", messages=CHAT, max_tokens=5, temperature=1.0, seed=2, n=2
+    )
+    assert [c.index for c in chat.choices] == [0, 1]
+    chunks = list(
+        client.chat.completions.create(
+            model="any", messages=CHAT, max_tokens=5, temperature=1.0, seed=2, n=2, stream=True
+        )
+    )
+    streamed = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == {c.index: c.message.content for c in chat.choices}
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+    assert len(finishes) == 2
+    best = client.completions.create(
+        model="any", prompt="Once", max_tokens=6, temperature=1.0, seed=11, n=1, best_of=3
+    )
+    assert len(best.choices) == 1 and best.usage.completion_tokens == 18  # type: ignore[union-attr]
+    status, body = call(server, "POST", "/v1/completions", {"model": "any", "prompt": "a", "n": 17})
+    assert status == 400 and body["error"]["param"] == "n"

@@ -117,6 +117,11 @@ type Request struct {
 	// PromptLogprobs: N >= 1 returns every prompt token's logprob (but the
 	// first's) with N alternatives, in Result.PromptLogprobs.
 	PromptLogprobs uint32
+	// N > 1: that many completions (Result.Completions, Delta.Index), the
+	// prompt prefilled once; BestOf >= N generates more and returns the N
+	// most likely.
+	N      uint32
+	BestOf *uint32
 	// Priority: "", "low", "normal" or "high".
 	Priority          string
 	AddSpecialTokens  *bool
@@ -221,6 +226,8 @@ func (r *Request) Proto() (*pb.GenerateRequest, error) {
 		SessionId:         r.SessionID,
 		TopLogprobs:       r.TopLogprobs,
 		PromptLogprobs:    r.PromptLogprobs,
+		N:                 r.N,
+		BestOf:            r.BestOf,
 		AddSpecialTokens:  r.AddSpecialTokens,
 		SkipSpecialTokens: r.SkipSpecialTokens,
 		ToolChoice:        r.ToolChoice,

@@ -29,7 +29,8 @@ type Stream struct {
 	text   strings.Builder
 	final  *Result
 	err    error
-	prompt []TokenLogprob // the first delta's PromptLogprobs
+	prompt []TokenLogprob              // the first delta's PromptLogprobs
+	others map[uint32]*strings.Builder // N > 1: the text of completions 1..
 }
 
 // Stream starts req as a streamed request.
@@ -62,7 +63,17 @@ func (s *Stream) Next() bool {
 		}
 		if d := msg.GetDelta(); d != nil {
 			s.delta = deltaFrom(d)
-			s.text.WriteString(s.delta.Text)
+			if s.delta.Index == 0 {
+				s.text.WriteString(s.delta.Text)
+			} else {
+				if s.others == nil {
+					s.others = map[uint32]*strings.Builder{}
+				}
+				if s.others[s.delta.Index] == nil {
+					s.others[s.delta.Index] = &strings.Builder{}
+				}
+				s.others[s.delta.Index].WriteString(s.delta.Text)
+			}
 			if s.delta.PromptLogprobs != nil {
 				s.prompt = s.delta.PromptLogprobs
 			}
@@ -71,6 +82,11 @@ func (s *Stream) Next() bool {
 		if f := msg.GetFinal(); f != nil {
 			s.final = resultFromFinal(f, s.text.String())
 			s.final.PromptLogprobs = s.prompt
+			texts := map[uint32]string{0: s.text.String()}
+			for i, b := range s.others {
+				texts[i] = b.String()
+			}
+			s.final.Completions = completionsFrom(f.GetCompletions(), texts)
 			s.cancel() // the call is over; releases the context's resources
 		}
 	}

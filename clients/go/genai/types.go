@@ -43,6 +43,38 @@ type Delta struct {
 	Logprobs []TokenLogprob
 	// PromptLogprobs: the first delta of a request with PromptLogprobs.
 	PromptLogprobs []TokenLogprob
+	// Index: with Request.N > 1, the completion these tokens belong to.
+	Index uint32
+}
+
+// Completion is one of the completions of a request with N > 1.
+type Completion struct {
+	Index        uint32
+	Text         string
+	TokenIDs     []uint32
+	FinishReason string
+	StopSequence string
+	Logprobs     []TokenLogprob
+	ToolCalls    []ToolCall
+}
+
+func completionsFrom(in []*pb.Completion, texts map[uint32]string) []Completion {
+	if len(in) == 0 {
+		return nil
+	}
+	out := make([]Completion, len(in))
+	for i, c := range in {
+		text := c.GetText()
+		if texts != nil {
+			text = texts[c.GetIndex()]
+		}
+		out[i] = Completion{
+			Index: c.GetIndex(), Text: text, TokenIDs: c.GetTokenIds(),
+			FinishReason: finishReason(c.GetFinishReason()), StopSequence: c.GetStopSequence(),
+			Logprobs: logprobsFrom(c.GetLogprobs()), ToolCalls: toolCallsFrom(c.GetToolCalls()),
+		}
+	}
+	return out
 }
 
 // Result is the whole outcome of one request. FinishReason is one of
@@ -63,6 +95,9 @@ type Result struct {
 	ToolCalls     []ToolCall
 	// PromptLogprobs (Request.PromptLogprobs): entry i is prompt token i+1's.
 	PromptLogprobs []TokenLogprob
+	// Completions: with Request.N > 1, every completion (the fields above
+	// are completion 0's).
+	Completions []Completion
 }
 
 // SessionInfo is a server-side session (SessionService).
@@ -133,6 +168,7 @@ func resultFromResponse(r *pb.GenerateResponse) *Result {
 		Usage: usageFrom(r.GetUsage()), Seed: r.GetSeed(), SessionID: r.GetSessionId(),
 		SessionTokens: r.GetSessionTokens(), RequestID: r.GetRequestId(),
 		ToolCalls: toolCallsFrom(r.GetToolCalls()), PromptLogprobs: logprobsFrom(r.GetPromptLogprobs()),
+		Completions: completionsFrom(r.GetCompletions(), nil),
 	}
 }
 
@@ -150,7 +186,7 @@ func resultFromFinal(f *pb.Final, text string) *Result {
 func deltaFrom(d *pb.Delta) Delta {
 	return Delta{
 		Text: d.GetText(), TokenIDs: d.GetTokenIds(), Logprobs: logprobsFrom(d.GetLogprobs()),
-		PromptLogprobs: logprobsFrom(d.GetPromptLogprobs()),
+		PromptLogprobs: logprobsFrom(d.GetPromptLogprobs()), Index: d.GetIndex(),
 	}
 }
 

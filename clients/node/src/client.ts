@@ -146,6 +146,7 @@ export class GenerationStream implements AsyncIterable<Delta> {
   private readonly inbox: Inbox<import("./gen/genai/v1/generate").GenerateStreamResponse>;
   private readonly texts: string[] = [];
   private promptLogprobs: TokenLogprob[] = [];
+  private readonly others = new Map<number, string>(); // n > 1: completions 1..
   private final: GenerationResult | undefined;
   private iterating = false;
 
@@ -176,11 +177,14 @@ export class GenerationStream implements AsyncIterable<Delta> {
         const message = await this.inbox.next();
         if (message === undefined) break;
         if (message.delta !== undefined) {
-          this.texts.push(message.delta.text);
+          const index = message.delta.index;
+          if (index === 0) this.texts.push(message.delta.text);
+          else this.others.set(index, (this.others.get(index) ?? "") + message.delta.text);
           if (message.delta.promptLogprobs.length) this.promptLogprobs = message.delta.promptLogprobs;
           yield deltaFromProto(message.delta);
         } else if (message.final !== undefined) {
-          this.final = resultFromProto(message.final, this.texts.join(""), this.promptLogprobs);
+          const text = this.texts.join("");
+          this.final = resultFromProto(message.final, text, this.promptLogprobs, new Map([...this.others, [0, text]]));
         }
       }
       if (this.final === undefined) throw new InternalError(Code.INTERNAL, "the stream ended without a final message");

@@ -82,6 +82,9 @@ export interface GenerateOptions {
   topLogprobs?: number;
   /** N alternatives per prompt token: every prompt token's logprob (but the first's). */
   promptLogprobs?: number;
+  /** Completions to return (result.completions, delta.index); bestOf >= n generates more. */
+  n?: number;
+  bestOf?: number;
   priority?: "low" | "normal" | "high";
   addSpecialTokens?: boolean;
   skipSpecialTokens?: boolean;
@@ -111,7 +114,7 @@ const OPTION_NAMES: ReadonlySet<string> = new Set([
   "dryBase", "dryAllowedLength", "dryPenaltyLastN", "drySequenceBreakers", "mirostat", "mirostatTau",
   "mirostatEta", "logitBias", "bannedTokenIds", "allowedTokenIds", "badWords", "maxNewTokens",
   "minNewTokens", "stop", "stopTokenIds", "ignoreEos", "includeStopSequence", "timeLimitMs",
-  "topLogprobs", "promptLogprobs", "priority", "addSpecialTokens", "skipSpecialTokens", "requestId", "cacheSalt",
+  "topLogprobs", "promptLogprobs", "n", "bestOf", "priority", "addSpecialTokens", "skipSpecialTokens", "requestId", "cacheSalt",
   "truncatePromptTokens", "contextOverflow", "jsonSchema", "regex", "grammar", "choice", "jsonObject", "tools", "toolChoice",
 ] satisfies (keyof GenerateOptions)[]);
 
@@ -298,6 +301,8 @@ export function generateRequest(options: GenerateOptions | string): GenerateRequ
     stopping,
     topLogprobs: o.topLogprobs ?? 0,
     promptLogprobs: o.promptLogprobs ?? 0,
+    n: o.n ?? 0,
+    bestOf: o.bestOf,
     priority: priorityValue(o.priority),
     addSpecialTokens: o.addSpecialTokens,
     skipSpecialTokens: o.skipSpecialTokens,

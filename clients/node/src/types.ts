@@ -28,6 +28,19 @@ export interface Delta {
   logprobs: TokenLogprob[];
   /** The first delta of a request with `promptLogprobs`. */
   promptLogprobs: TokenLogprob[];
+  /** n > 1: the completion these tokens belong to. */
+  index: number;
+}
+
+/** One of the completions of a request with n > 1. */
+export interface Completion {
+  index: number;
+  text: string;
+  tokenIds: number[];
+  finishReason: FinishReasonName;
+  stopSequence: string;
+  logprobs: TokenLogprob[];
+  toolCalls: ToolCall[];
 }
 
 /** The whole result of a request (a stream's `text` is its deltas' text joined). */
@@ -47,6 +60,8 @@ export interface GenerationResult {
   toolCalls: ToolCall[];
   /** `promptLogprobs` asked: entry i is prompt token i + 1's (the first has none). */
   promptLogprobs: TokenLogprob[];
+  /** n > 1: every completion (the fields above are completion 0's). */
+  completions: Completion[];
 }
 
 /** One event of a bidi stream: a request's delta, its result, or its error. */
@@ -88,7 +103,13 @@ export function finishReasonName(value: FinishReason): FinishReasonName {
 }
 
 export function deltaFromProto(delta: DeltaProto): Delta {
-  return { text: delta.text, tokenIds: delta.tokenIds, logprobs: delta.logprobs, promptLogprobs: delta.promptLogprobs };
+  return {
+    text: delta.text,
+    tokenIds: delta.tokenIds,
+    logprobs: delta.logprobs,
+    promptLogprobs: delta.promptLogprobs,
+    index: delta.index,
+  };
 }
 
 const USAGE_ZERO: Usage = { promptTokens: 0, completionTokens: 0, cachedTokens: 0, droppedTokens: 0 };
@@ -97,6 +118,7 @@ export function resultFromProto(
   r: GenerateResponse | Final,
   text?: string,
   promptLogprobs?: TokenLogprob[],
+  texts?: ReadonlyMap<number, string>,
 ): GenerationResult {
   return {
     text: text ?? (r as GenerateResponse).text,
@@ -111,6 +133,15 @@ export function resultFromProto(
     requestId: r.requestId,
     toolCalls: r.toolCalls,
     promptLogprobs: promptLogprobs ?? ("promptLogprobs" in r ? r.promptLogprobs : []),
+    completions: r.completions.map((c) => ({
+      index: c.index,
+      text: texts?.get(c.index) ?? c.text,
+      tokenIds: c.tokenIds,
+      finishReason: finishReasonName(c.finishReason),
+      stopSequence: c.stopSequence,
+      logprobs: c.logprobs,
+      toolCalls: c.toolCalls,
+    })),
   };
 }
 

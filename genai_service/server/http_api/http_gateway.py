@@ -222,11 +222,11 @@ class HttpGateway:
         if call.stream:
             body = self._stream(name, reply, first, events, started)
             return _EventStream(body, events, rid)
-        text: list[str] = []
+        text: dict[int, list[str]] = {}  # per choice (n > 1)
         event: Any = first
         try:
             while not openai_reply.is_final(event):
-                text.append(event.text)
+                text.setdefault(event.index, []).append(event.text)
                 reply.seen(event)
                 event = await anext(events)
         except Exception as exc:
@@ -234,7 +234,8 @@ class HttpGateway:
         finally:
             await events.aclose()
         self.fe.metrics.observe_rpc(name, "OK", started)
-        return _json(reply.response("".join(text), event), headers={"x-request-id": rid})
+        texts = {i: "".join(parts) for i, parts in text.items()}
+        return _json(reply.response(texts, event), headers={"x-request-id": rid})
 
     async def _stream(
         self,

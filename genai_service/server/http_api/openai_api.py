@@ -220,11 +220,15 @@ def parse(kind: str, body: Any, session_id: str = "", overflow: str = "") -> Cal
     _sampling(body, request)
     _stopping(body, call)
     n = _integer(body, "n")
-    if n is not None and n != 1:
-        raise InvalidArgument(f"n: {n} is not supported; only one choice per request (n: 1)")
+    if n is not None:
+        if not 1 <= n < 2**32:
+            raise InvalidArgument(f"n: {n} is out of range; allowed >= 1")
+        request.n = n
     best_of = _integer(body, "best_of")
-    if best_of is not None and best_of != 1:
-        raise InvalidArgument(f"best_of: {best_of} is not supported; allowed 1")
+    if best_of is not None:
+        if not 1 <= best_of < 2**32:
+            raise InvalidArgument(f"best_of: {best_of} is out of range; allowed >= 1")
+        request.best_of = best_of
     call.stream = bool(_boolean(body, "stream"))
     options = _object(body, "stream_options")
     if options is not None:
@@ -256,6 +260,11 @@ def parse(kind: str, body: Any, session_id: str = "", overflow: str = "") -> Cal
         _chat(body, call)
     else:
         _completions(body, call)
+    if max(request.n, 1) > 1:
+        if call.stream and len(request.tools) and request.tool_choice != "none":
+            raise InvalidArgument("n: more than one choice is not streamed with tools")
+        if call.echo is not None:
+            raise InvalidArgument("n: more than one choice is not possible with echo")
     return call
 
 

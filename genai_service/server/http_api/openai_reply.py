@@ -187,6 +187,8 @@ class Reply:
         self.prompt_lps: Sequence[common_pb2.TokenLogprob] = ()  # the first delta's
         self.echoed = False
         self.sent_first = False
+        self.other_len: dict[int, int] = {}  # n > 1: text offsets of choices 1..
+        self.other_role: set[int] = set()  # n > 1: choices whose role went out
 
     def seen(self, delta: generate_pb2.Delta) -> None:
         """Note a delta of a unary call (its prompt logprobs, on the first)."""
@@ -225,8 +227,10 @@ class Reply:
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def _choice(self, text: str | None, lps: Any, finish: str | None, final: Any = None) -> dict:
-        choice: dict[str, Any] = {"index": 0}
+    def _choice(
+        self, text: str | None, lps: Any, finish: str | None, final: Any = None, index: int = 0
+    ) -> dict:
+        choice: dict[str, Any] = {"index": index}
         if self.call.kind == CHAT:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if final is not None and final.tool_calls:
@@ -238,28 +242,39 @@ class Reply:
         choice["finish_reason"] = finish
         return choice
 
-    def response(self, text: str, final: generate_pb2.Final) -> dict[str, Any]:
-        """The unary response body."""
-        content: str | None = text
-        if self.call.kind == CHAT and final.tool_calls:
-            content = text.split(TOOL_CALL_OPEN, 1)[0].strip() or None
+    def response(self, texts: Mapping[int, str], final: generate_pb2.Final) -> dict[str, Any]:
+        """The unary response body; ``texts``: each choice's text (the deltas')."""
         body = self._base(self.object)
-        if self.call.kind == CHAT:
-            lps = logprobs(self.call, final.logprobs)
-        else:
-            content, lps = self._with_echo(text, final.logprobs)
-        choice = self._choice(content, lps, finish_reason(final), final)
-        prompt_lps = self._vllm_prompt_logprobs()
-        if prompt_lps is not None:
-            choice["prompt_logprobs"] = prompt_lps
-        body["choices"] = [choice]
+        # n > 1: a choice per completion (Final.completions; their text is the deltas')
+        ends = list(final.completions) or [final]
+        body["choices"] = [
+            self._answer(texts.get(getattr(end, "index", 0), ""), end, getattr(end, "index", 0))
+            for end in ends
+        ]
         body["usage"] = usage(final.usage)
         body["system_fingerprint"] = None
         return body
 
-    def _chunk(self, delta: dict[str, Any] | str, lps: Any, finish: str | None) -> dict:
+    def _answer(self, text: str, end: Any, index: int) -> dict[str, Any]:
+        """One choice of the unary body; ``end``: its Final or Completion."""
+        content: str | None = text
+        if self.call.kind == CHAT and end.tool_calls:
+            content = text.split(TOOL_CALL_OPEN, 1)[0].strip() or None
+        if self.call.kind == CHAT:
+            lps = logprobs(self.call, end.logprobs)
+        else:
+            content, lps = self._with_echo(text, end.logprobs)
+        choice = self._choice(content, lps, finish_reason(end), end, index)
+        prompt_lps = self._vllm_prompt_logprobs()
+        if prompt_lps is not None:
+            choice["prompt_logprobs"] = prompt_lps
+        return choice
+
+    def _chunk(
+        self, delta: dict[str, Any] | str, lps: Any, finish: str | None, index: int = 0
+    ) -> dict:
         chunk = self._base("chat.completion.chunk" if self.call.kind == CHAT else self.object)
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": index}
         if self.call.kind == CHAT:
             choice["delta"] = delta
         else:
@@ -289,6 +304,9 @@ class Reply:
         return out
 
     def delta_chunk(self, delta: generate_pb2.Delta) -> dict[str, Any] | None:
+        i = delta.index  # the choice (n > 1; the others' text offsets apart)
+        if i:
+            return self._other_chunk(delta)
         if self.call.kind == COMPLETIONS:
             self.seen(delta)
             first, self.sent_first = not self.sent_first, True
@@ -310,24 +328,42 @@ class Reply:
             return None
         return self._chunk(d, lps, None)
 
+    def _other_chunk(self, delta: generate_pb2.Delta) -> dict[str, Any]:
+        """A chunk of choice ``delta.index`` > 0 (no tools, no echo with n > 1)."""
+        i = delta.index
+        lps = logprobs(self.call, delta.logprobs, self.other_len.get(i, 0))
+        self.other_len[i] = self.other_len.get(i, 0) + len(delta.text)
+        if self.call.kind == COMPLETIONS:
+            return self._chunk(delta.text, lps, None, i)
+        d: dict[str, Any] = {"content": delta.text}
+        if i not in self.other_role:
+            d = {"role": "assistant", **d}
+            self.other_role.add(i)
+        return self._chunk(d, lps, None, i)
+
     def final_chunks(self, final: generate_pb2.Final) -> list[dict[str, Any]]:
         chunks = []
-        finish = finish_reason(final)
-        if self.call.kind == CHAT:
-            d: dict[str, Any] = {}
-            if not self.sent_role:
-                d["role"] = "assistant"
-                self.sent_role = True
-            rest = self._visible("", end=True)
-            if rest or "role" in d:
-                d["content"] = rest
-            if final.tool_calls:
-                d["tool_calls"] = [
-                    {"index": i, **c} for i, c in enumerate(tool_calls(final.tool_calls))
-                ]
-            chunks.append(self._chunk(d, None, finish))
-        else:
-            chunks.append(self._chunk("", None, finish))
+        for end in final.completions or [final]:
+            i = getattr(end, "index", 0)
+            finish = finish_reason(end)
+            if self.call.kind == CHAT:
+                d: dict[str, Any] = {}
+                if i == 0:
+                    if not self.sent_role:
+                        d["role"] = "assistant"
+                        self.sent_role = True
+                    rest = self._visible("", end=True)
+                    if rest or "role" in d:
+                        d["content"] = rest
+                elif i not in self.other_role:
+                    d = {"role": "assistant", "content": ""}
+                if end.tool_calls:
+                    d["tool_calls"] = [
+                        {"index": k, **c} for k, c in enumerate(tool_calls(end.tool_calls))
+                    ]
+                chunks.append(self._chunk(d, None, finish, i))
+            else:
+                chunks.append(self._chunk("", None, finish, i))
         if self.call.include_usage:
             tail = self._base(chunks[0]["object"])
             tail["choices"] = []
