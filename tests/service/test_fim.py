@@ -9,6 +9,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 
 from genai_client import Client, InvalidArgumentError
@@ -116,15 +117,24 @@ def test_fim_over_grpc_equals_the_token_ids_request(server: ServerThread) -> Non
 
 def test_fim_over_http_is_openai_suffix(server: ServerThread) -> None:
     assert server.server is not None
-    conn = http.client.HTTPConnection("127.0.0.1", server.server.http_port, timeout=60)
-    body = {"model": "m", "prompt": PREFIX, "suffix": SUFFIX, "max_tokens": 8, "temperature": 0}
-    conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
-    answer = json.loads(conn.getresponse().read())
-    conn.close()
+    base = f"http://127.0.0.1:{server.server.http_port}/v1"
+    with openai.OpenAI(base_url=base, api_key="unused", max_retries=0) as sdk:
+        answer = sdk.completions.create(
+            model="m", prompt=PREFIX, suffix=SUFFIX, max_tokens=8, temperature=0
+        )
     with Client(server.target) as client:
         fim = client.generate(fim_prefix=PREFIX, fim_suffix=SUFFIX, max_new_tokens=8)
-    assert answer["choices"][0]["text"] == fim.text
-    assert answer["usage"]["prompt_tokens"] == len(psm_ids())
+    assert answer.choices[0].text == fim.text
+    assert answer.usage is not None and answer.usage.prompt_tokens == len(psm_ids())
+
+
+def test_cli_several_completions(server: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--target", server.target, "generate", "the cat", "-n", "2", "--temperature", "1"]
+    assert cli_main([*argv, "--seed", "3", "--max-new-tokens", "4"]) == 0
+    with Client(server.target) as client:
+        want = client.generate("the cat", n=2, temperature=1.0, seed=3, max_new_tokens=4)
+    lines = [f"[{c.index}] {c.text}" for c in want.completions]
+    assert capsys.readouterr().out == "\n".join(lines) + "\n"
 
 
 def test_cli_fim_flags(server: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
