@@ -599,10 +599,11 @@ class LLMEngine(InProcessDriver):
                 for seq, _ in batch.items
                 if (draft := drafts.get(seq.seq_id))
             ]
+            logits: np.ndarray | None = None
             if wide:
                 logits = self._run_wide(plain, items, wide)
-            else:
-                logits = self.runner.run(items) if items else None
+            elif items:
+                logits = self.runner.run(items)
         except Exception as exc:  # an ORT failure must not take the engine down
             log.exception("runner_failed", batch=[s.request_id for s, _ in batch.items])
             for seq, _ in batch.items:

@@ -6,6 +6,8 @@ one row, so a row's result never depends on the rest of the batch."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 # A top-k row's k-th largest logit is bounded from below by the maxima of this
@@ -318,7 +320,7 @@ def dry_penalties(
     return ids.astype(np.int64), pen.astype(np.float32)
 
 
-def bad_word_bans(context: np.ndarray, words: list[tuple[int, ...]] | tuple) -> list[int]:
+def bad_word_bans(context: np.ndarray, words: Sequence[tuple[int, ...]]) -> list[int]:
     """The last token of each bad word whose other tokens end ``context`` (a
     one-token word: always), as vLLM's ``bad_words`` does."""
     out = []
