@@ -755,11 +755,13 @@ def test_the_engine_outbox_keeps_order_flushes_on_close_and_notes_a_broken_pipe(
 
     reader, writer = mp.Pipe(duplex=False)
     outbox = Outbox(writer)
-    for i in range(200):
+    # 100 messages of ~330 bytes: within the pipe's 64 KiB, which nothing reads
+    # until close() has returned.
+    for i in range(100):
         outbox.send(Outputs((RequestOutput(f"r{i}"),)))
     outbox.close()  # returns once everything queued is written
-    assert [reader.recv().outputs[0].request_id for _ in range(200)] == [
-        f"r{i}" for i in range(200)
+    assert [reader.recv().outputs[0].request_id for _ in range(100)] == [
+        f"r{i}" for i in range(100)
     ]
     assert not reader.poll() and not outbox.broken
 
