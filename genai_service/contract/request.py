@@ -154,7 +154,7 @@ class GenerationRequest:
     # alternatives (RequestOutput.prompt_logprobs); 0: none.
     prompt_logprobs: int = 0
     # Completions to return, and to generate (best_of >= n; None: n): the n
-    # of highest cumulative logprob (engine/completions.py).
+    # of highest cumulative logprob (engine/groups/completions.py).
     n: int = 1
     best_of: int | None = None
 

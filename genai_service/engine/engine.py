@@ -36,7 +36,7 @@ from ..contract.sessions import SessionInfo, SessionPage
 from ..guidance.constraints import Guidance
 from ..model.model_dir import ModelSpec, load_model_spec
 from ..model.tokenizer import Tokenizer
-from .completions import Completions
+from .groups.completions import Completions
 from .in_process import InProcessDriver
 from .kv.kv_chunk_store import KvChunkStore
 from .kv.window import SlidePolicy, next_lineage

@@ -100,7 +100,7 @@ class Sequence:
     # GenerationRequest.prompt_logprobs: those of the prompt computed so far,
     # until its first output takes them (None: none asked, or sent).
     prompt_logprobs: list[TokenLogprob] | None = None
-    # A completion's member other than 0 (engine/completions.py): the member
+    # A completion's member other than 0 (engine/groups/completions.py): the member
     # whose prompt KV it copies once computed; None after (or for others).
     leader: Sequence | None = None
 

@@ -129,7 +129,7 @@ def test_invalid_parameters_are_bad_requests_naming_the_field(client: openai.Ope
         "temperature": {"temperature": -1.0},
         "top_p": {"top_p": 1.5},
         "max_tokens": {"max_tokens": 0},
-        "n": {"n": 2},
+        "n": {"n": 0},
         "top_k": {"extra_body": {"top_k": "x"}},
         "bogus": {"extra_body": {"bogus": 1}},
         "messages[0].role": {"messages": [{"role": "robot", "content": "x"}]},

@@ -238,6 +238,7 @@ PART_RULES: dict[str, set[str]] = {
     f"{S}.engine.kv": SHARED | {"kvstore"},
     f"{S}.engine.runner": SHARED | {f"{S}.engine.kv"},
     f"{S}.engine.sessions": SHARED | {f"{S}.engine.kv"},
+    f"{S}.engine.groups": SHARED,
     # The loop: engine/'s own modules, which compose the subpackages.
     f"{S}.engine": SHARED | {f"{S}.guidance", f"{S}.engine", "kvstore"},
     # The frontend: of the engine only the process's entry point.

@@ -19,7 +19,7 @@ import dataclasses
 import secrets
 from dataclasses import dataclass, field
 
-from ..contract.request import GenerationRequest, RequestOutput, Usage, merge_outputs
+from ...contract.request import GenerationRequest, RequestOutput, Usage, merge_outputs
 
 SEPARATOR = "\x1f"  # member ids: request id, separator, index
 GROUP_END = -1  # RequestOutput.index of a group's last output
