@@ -298,3 +298,20 @@ def test_logit_bias_entries_are_bounded_by_the_server_limit() -> None:
             limits=LimitsConfig(max_logit_bias=4),
         )
     assert str(err.value) == "sampling.logit_bias: 5 entries; allowed at most 4"
+
+
+def test_min_p_comes_after_top_p() -> None:
+    # top_p 0.7 keeps {0.40, 0.25, 0.15} of the whole distribution; min_p 0.3
+    # (p >= 0.12) then keeps all three. Min-p first would leave {0.40, 0.25,
+    # 0.15} renormalised, whose 0.7 nucleus is only the first two.
+    params = SamplingParams(temperature=1.0, top_p=0.7, min_p=0.3)
+    f = frequencies(draws(params))
+    np.testing.assert_allclose(f, renormalised([0, 1, 2]), atol=TOL)
+    with_k = frequencies(draws(SamplingParams(temperature=1.0, top_k=6, top_p=0.7, min_p=0.3)))
+    np.testing.assert_allclose(with_k, renormalised([0, 1, 2]), atol=TOL)
+    # the extended path (top-a here keeps everything) in the same order
+    ext = SamplingParams(temperature=1.0, top_p=0.7, min_p=0.3, top_a=0.01)
+    np.testing.assert_allclose(frequencies(draws(ext)), renormalised([0, 1, 2]), atol=TOL)
+    # and min_p 0.5 (p >= 0.2) of that nucleus: the first two
+    f = frequencies(draws(SamplingParams(temperature=1.0, top_p=0.7, min_p=0.5)))
+    np.testing.assert_allclose(f, renormalised([0, 1]), atol=TOL)

@@ -11,9 +11,11 @@ batched arrays; ``sample(logits, args)`` then applies, in order:
    logit is divided by the penalty, a non-positive one multiplied),
 3. frequency penalty (``f * count`` in the output) and presence penalty
    (``p`` once per token present in the output), both subtracted,
-4. greedy rows: argmax (ties -> lowest id); other rows: temperature, min-p,
-   top-k, top-p (on the distribution renormalised after min-p and top-k),
-   then one draw from the renormalised distribution; a row left with nothing
+4. greedy rows: argmax (ties -> lowest id); other rows: temperature,
+   top-k, top-p (on the distribution renormalised after top-k), min-p (of
+   what top-p kept; with no top-p it joins top-k's floor: the same result),
+   the stages after them (docs/design.md, "Sampling"), then one draw from
+   the renormalised distribution; a row left with nothing
    to pick from takes ``fallback_tokens`` (the raw argmax, or a masked row's
    lowest allowed id).
 
@@ -432,13 +434,17 @@ def _sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingAr
     m[~live] = 0.0
 
     # Lowest (temperature-scaled) logit each row keeps. Min-p and top-k both
-    # keep "the highest values", so they commute and combine into one floor.
+    # keep "the highest values", so where no top-p follows min-p (its place is
+    # after top-p) they commute and combine into one floor.
     floor = np.full(n, -np.inf, dtype=np.float32)
     min_p = args.min_p[s]
+    top_p = args.top_p[s]
     mp = min_p > 0
-    if mp.any():
+    early = mp & (top_p >= 1.0)
+    late = mp & (top_p < 1.0) & live  # min-p after top-p, on the nucleus
+    if early.any():
         # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p)
-        floor[mp] = m[mp] + np.log(min_p[mp])
+        floor[early] = m[early] + np.log(min_p[early])
     kr = np.flatnonzero((k > 0) & (k < v) & live)
     survivors = None
     if kr.size:
@@ -476,8 +482,7 @@ def _sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingAr
     cum = np.zeros((n, nb + 1))  # cum[:, j + 1]: mass of blocks 0..j, float64
     np.cumsum(blocks, axis=1, dtype=np.float64, out=cum[:, 1:])
 
-    # Top-p on the distribution renormalised after min-p and top-k.
-    top_p = args.top_p[s]
+    # Top-p on the distribution renormalised after top-k.
     pr = (top_p < 1.0) & live
     if pr.any():
         target = top_p * cum[:, -1]
@@ -496,6 +501,17 @@ def _sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingAr
         if dp.size or not on.all():
             rows_c, cols_c, e_c = kernels.concat_rows(parts)
             changed = np.flatnonzero(pr & (dense_of < 0))
+            blocks[changed] = 0.0
+            kernels.set_block_sums(blocks, rows_c, cols_c, e_c, v)
+            cum[changed, 1:] = np.cumsum(blocks[changed], axis=1, dtype=np.float64)
+
+    # Min-p after top-p: of the nucleus (every such row is a list by now), the
+    # tokens with p >= min_p * p_max, i.e. e >= min_p (the maximum, e = 1, is in it).
+    if late.any():
+        on = ~late[rows_c] | (e_c >= min_p[rows_c])
+        if not on.all():
+            rows_c, cols_c, e_c = rows_c[on], cols_c[on], e_c[on]
+            changed = np.flatnonzero(late)
             blocks[changed] = 0.0
             kernels.set_block_sums(blocks, rows_c, cols_c, e_c, v)
             cum[changed, 1:] = np.cumsum(blocks[changed], axis=1, dtype=np.float64)
@@ -541,8 +557,10 @@ def _sample_cut_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) 
     v = x.shape[1]
     k = int(args.top_k[i])
     min_p = args.min_p[i]
+    top_p = args.top_p[i]
     top_k = 0 < k < v
-    if not top_k and not min_p > 0:
+    late = min_p > 0 and top_p < 1.0  # min-p after top-p: it cuts nothing before it
+    if not top_k and not (min_p > 0 and not late):
         return None
     row = x[i]
     t = args.temperature[i]
@@ -551,7 +569,7 @@ def _sample_cut_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) 
     if not np.isfinite(m):  # everything masked (or NaN/inf): the raw argmax, after the draw
         args.rngs[i].random()
         return int(fallback_tokens(raw, np.array([i]), args)[0])
-    floor = m + np.log(min_p) if min_p > 0 else np.float32(-np.inf)
+    floor = m + np.log(min_p) if min_p > 0 and not late else np.float32(-np.inf)
     if top_k:
         h = heads.shape[0]
         bound = np.partition(heads, h - k)[h - k :].min()
@@ -578,7 +596,6 @@ def _sample_cut_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) 
     blocks = _row_block_sums(cols, e, v, nb)
     cum = np.zeros(nb + 1)
     np.cumsum(blocks, dtype=np.float64, out=cum[1:])
-    top_p = args.top_p[i]
     if top_p < 1.0 and e.size:
         # kernels.nucleus on one row: most likely first, the first prefix
         # whose float64 running mass reaches the target sets the floor.
@@ -590,6 +607,12 @@ def _sample_cut_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) 
                 cols, e = cols[keep], e[keep]
                 blocks = _row_block_sums(cols, e, v, nb)
                 np.cumsum(blocks, dtype=np.float64, out=cum[1:])
+    if late:  # min-p on the nucleus, as _sample_rows does
+        keep = e >= min_p
+        if not keep.all():
+            cols, e = cols[keep], e[keep]
+            blocks = _row_block_sums(cols, e, v, nb)
+            np.cumsum(blocks, dtype=np.float64, out=cum[1:])
 
     u = args.rngs[i].random()  # exactly one per row per step
     total = cum[-1]
@@ -638,13 +661,14 @@ def _sample_extended_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingA
         return int(fallback_tokens(raw, np.array([i]), args)[0])
     keep = np.isfinite(xt)
     k = int(args.top_k[i])
+    top_p = float(args.top_p[i])
+    min_p = float(args.min_p[i])
     if 0 < k < v:
         keep &= xt >= np.partition(xt, v - k)[v - k]  # ties at the k-th are all kept
-    if args.min_p[i] > 0:
-        keep &= xt >= m + np.log(args.min_p[i])
+    if min_p > 0 and top_p >= 1.0:  # (with top-p, min-p comes after it)
+        keep &= xt >= m + np.log(min_p)
     cols = np.flatnonzero(keep)
     e = np.exp((xt[cols] - m).astype(np.float64))
-    top_p = float(args.top_p[i])
     if top_p < 1.0:
         # Only tokens above (1 - top_p) * mass / V can be in the nucleus: those
         # below hold less than 1 - top_p of the mass together.
@@ -653,6 +677,9 @@ def _sample_extended_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingA
         reached = np.cumsum(desc) >= top_p * total
         if reached.any():
             on = e >= desc[reached.argmax()]
+            cols, e = cols[on], e[on]
+        if min_p > 0:  # min-p on the nucleus (e = p / p_max)
+            on = e >= min_p
             cols, e = cols[on], e[on]
     p = e / e.sum()
     if ext.top_a > 0:
