@@ -597,14 +597,7 @@ class Bench:
                     "llama": (llama.concurrent, (prompts, conc_new, params), {}),
                 }
                 out, worst = self._run_in_turn(calls, cpu)
-                return {
-                    name: {
-                        **concurrency_stats(r["submit"], r["streams"]),
-                        "foreign_cores": r["foreign_cores"],
-                        "cpu_s": r.get("cpu_s", {}),
-                    }
-                    for name, r in out.items()
-                }, worst
+                return _stats_by_name(out), worst
 
             for rep in range(plan.reps):
                 for length in plan.llama_lengths:
@@ -683,14 +676,7 @@ class Bench:
                 "surface": (server_concurrent, (self._target, fresh(), new, extended), {}),
             }
             out, worst = self._run_in_turn(calls, cpu)
-            return {
-                name: {
-                    **concurrency_stats(r["submit"], r["streams"]),
-                    "foreign_cores": r["foreign_cores"],
-                    "cpu_s": r.get("cpu_s", {}),
-                }
-                for name, r in out.items()
-            }, worst
+            return _stats_by_name(out), worst
 
         sinks: dict[str, list[dict]] = {}
         for rep in range(self.plan.reps):
@@ -822,6 +808,19 @@ def _per_turn(ours: list[list[dict]], og: list[list[dict]]) -> dict:
         ],
         "ours_raw": ours,
         "og_raw": og,
+    }
+
+
+def _stats_by_name(out: dict[str, Any]) -> dict[str, dict]:
+    """Each engine's concurrency statistics of one rep, with the foreign load
+    and the CPU seconds measured meanwhile."""
+    return {
+        name: {
+            **concurrency_stats(r["submit"], r["streams"]),
+            "foreign_cores": r["foreign_cores"],
+            "cpu_s": r.get("cpu_s", {}),
+        }
+        for name, r in out.items()
     }
 
 
