@@ -193,24 +193,34 @@ def priority_proto(priority: str | None) -> common_pb2.Priority:
         raise ValueError(f"priority {priority!r} is not one of 'low', 'normal', 'high'") from None
 
 
+def _enum_option(enum: Any, prefix: str, names: tuple[str, ...], field: str, value: str) -> int:
+    """A string option (case-insensitive, with or without the enum's prefix)
+    as its proto enum value; ValueError naming ``field`` and the choices."""
+    name = value.upper().removeprefix(prefix)
+    if name not in names:
+        choices = ", ".join(repr(n.lower()) for n in names)
+        raise ValueError(f"{field} {value!r} is not one of {choices}")
+    return int(enum.Value(prefix + name))
+
+
 def fim_mode_proto(mode: str | None) -> generate_pb2.FimMode:
     """ "psm" or "spm" (or None: unset, PSM) as a FimMode value."""
     if mode is None:
         return generate_pb2.FIM_MODE_UNSPECIFIED
-    name = mode.upper().removeprefix("FIM_MODE_")
-    if name not in ("PSM", "SPM"):
-        raise ValueError(f"fim_mode {mode!r} is not one of 'psm', 'spm'")
-    return generate_pb2.FimMode.Value("FIM_MODE_" + name)
+    return _enum_option(generate_pb2.FimMode, "FIM_MODE_", ("PSM", "SPM"), "fim_mode", mode)  # type: ignore[return-value]
 
 
 def context_overflow_proto(mode: str | None) -> common_pb2.ContextOverflow:
     """ "error" or "slide" (or None: unset) as a ContextOverflow value."""
     if mode is None:
         return common_pb2.CONTEXT_OVERFLOW_UNSPECIFIED
-    name = mode.upper().removeprefix("CONTEXT_OVERFLOW_")
-    if name not in ("ERROR", "SLIDE"):
-        raise ValueError(f"context_overflow {mode!r} is not one of 'error', 'slide'")
-    return common_pb2.ContextOverflow.Value("CONTEXT_OVERFLOW_" + name)
+    return _enum_option(  # type: ignore[return-value]
+        common_pb2.ContextOverflow,
+        "CONTEXT_OVERFLOW_",
+        ("ERROR", "SLIDE"),
+        "context_overflow",
+        mode,
+    )
 
 
 def generate_request(

@@ -620,7 +620,8 @@ class LLMEngine(InProcessDriver):
         prompt_logprobs requests) run one by one with every position's logits
         (``runner.verify``), which give their prompt logprobs; each item's row
         is its last position's logits, as ``run`` gives."""
-        rest = [i for i in range(len(items)) if i not in set(wide)]
+        skip = set(wide)
+        rest = [i for i in range(len(items)) if i not in skip]
         logits = np.empty((len(items), self.vocab_size), dtype=np.float32)
         if rest:
             logits[rest] = self.runner.run([items[i] for i in rest])
