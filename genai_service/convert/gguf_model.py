@@ -1,18 +1,25 @@
-"""Read a GGUF file: metadata, Llama hyper-parameters and (de)quantised tensors.
+"""Read a GGUF file: metadata, architecture hyper-parameters and (de)quantised tensors.
 
-Parsing is delegated to the ``gguf`` package (memory-mapped, no copies); the
-block formats are decoded here with vectorised numpy so that the converter can
-either dequantise to float32 or carry the exact block contents (scales, mins,
-integer codes) over to ONNX Runtime's block-quantised operators.
+Parsing is delegated to the ``gguf`` package (memory-mapped, no copies), and
+so is dequantisation to float32: every type its ``gguf.quants`` decodes
+(``SUPPORTED_TYPES``). Where a type's blocks map onto ONNX Runtime's
+block-quantised operators without loss, the block contents (scales, mins,
+integer codes) are also unpacked here with vectorised numpy, so the converter
+can carry them over exactly (docs/models.md, "Tensor types"):
 
-Block layouts (32 elements per block, along the input dimension of a weight):
+- ``Q8_0`` (34 bytes / 32): ``d: f16``, ``q: int8[32]``; ``x = d * q``.
+- ``Q4_0`` (18 bytes / 32): ``d: f16``, ``qs: u8[16]``; ``x = d * (q - 8)``.
+- ``Q4_1`` (20 bytes / 32): ``d: f16``, ``m: f16``, ``qs: u8[16]``; ``x = d * q + m``.
+- ``Q5_0`` (22 bytes / 32): ``d: f16``, ``qh: u32`` (bit ``j``: element ``j``'s
+  fifth bit), ``qs: u8[16]``; ``x = d * (q - 16)``.
+- ``Q4_K`` (144 bytes / 256): ``d, dmin: f16``, ``scales: u8[12]`` (eight 6-bit
+  scales and mins), ``qs: u8[128]``; element ``i`` of 32-element sub-block
+  ``j`` is ``d * sc[j] * q - dmin * m[j]``, i.e. a Q4_1-style block of 32 with
+  float scale ``d * sc[j]`` and minimum ``-dmin * m[j]``.
 
-- ``Q8_0`` (34 bytes): ``d: f16``, ``q: int8[32]``; ``x = d * q``.
-- ``Q4_0`` (18 bytes): ``d: f16``, ``qs: u8[16]``; ``x = d * (q - 8)``.
-- ``Q4_1`` (20 bytes): ``d: f16``, ``m: f16``, ``qs: u8[16]``; ``x = d * q + m``.
-
-In the 4-bit formats byte ``j`` of ``qs`` holds element ``j`` in its low nibble
-and element ``j + 16`` in its high nibble.
+In the 32-element 4-bit formats byte ``j`` of ``qs`` holds element ``j`` in its
+low nibble and element ``j + 16`` in its high nibble; in Q4_K each 64-element
+pair of sub-blocks takes 32 bytes, the first sub-block in the low nibbles.
 """
 
 from __future__ import annotations
@@ -24,11 +31,24 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-QK = 32  # elements per block in every supported quantised type
+QK = 32  # elements per block of the graph's block-quantised weights
 
-SUPPORTED_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
+FLOAT_TYPES = ("F32", "F16", "BF16")
+# What gguf.quants dequantises (it raises NotImplementedError for Q8_1, Q8_K
+# and the integer types, which no model file uses for weights).
+QUANTIZED_TYPES = (
+    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
+    "TQ1_0", "TQ2_0", "MXFP4", "NVFP4",
+)  # fmt: skip
+SUPPORTED_TYPES = FLOAT_TYPES + QUANTIZED_TYPES
+# Types whose blocks are unpacked into codes (the rest are dequantised only).
+BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K")
 
-_BLOCK_BYTES = {"Q8_0": 2 + QK, "Q4_0": 2 + QK // 2, "Q4_1": 4 + QK // 2}
+_BLOCK_BYTES = {"Q8_0": 2 + QK, "Q4_0": 2 + QK // 2, "Q4_1": 4 + QK // 2, "Q5_0": 6 + QK // 2}
+QK_K = 256  # elements per K-quant super-block
+_Q4_K_BYTES = 4 + 12 + QK_K // 2
 
 
 class UnsupportedTensorType(ValueError):
@@ -38,7 +58,7 @@ class UnsupportedTensorType(ValueError):
         super().__init__(
             f"tensor {name!r} has GGUF type {type_name}, which the converter does not support "
             f"(supported: {', '.join(SUPPORTED_TYPES)}); re-quantise the GGUF with one of "
-            "these types, e.g. `llama-quantize --allow-requantize IN OUT Q4_1`"
+            "these types, e.g. `llama-quantize --allow-requantize IN OUT Q4_K_M`"
         )
         self.tensor_name = name
         self.type_name = type_name
@@ -51,14 +71,18 @@ class BlockCodes:
     ``codes`` is ``[rows, n_blocks, 32]`` uint8 in element order; the value of
     element ``i`` of block ``b`` in row ``r`` is
     ``scale[r, b] * (codes[r, b, i] - offset) + minimum[r, b]`` (``minimum`` is
-    zero for the symmetric types).
+    zero for the symmetric types: Q8_0, Q4_0, Q5_0).
     """
 
     codes: npt.NDArray[np.uint8]  # [rows, n_blocks, 32]
     scale: npt.NDArray[np.float32]  # [rows, n_blocks]
     minimum: npt.NDArray[np.float32]  # [rows, n_blocks]
-    offset: int  # subtracted from the codes: 8 (Q4_0), 128 (Q8_0 as unsigned), 0 (Q4_1)
+    offset: int  # subtracted from the codes: 8 (Q4_0), 16 (Q5_0), 128 (Q8_0 as unsigned), 0
     bits: int
+
+    @property
+    def symmetric(self) -> bool:
+        return not np.any(self.minimum)
 
 
 @dataclass(frozen=True)
@@ -75,9 +99,9 @@ class TensorRef:
         return dequantize(self.type_name, self.raw, self.shape, self.name)
 
     def block_codes(self) -> BlockCodes:
-        """The block contents of a quantised tensor (Q8_0, Q4_0, Q4_1)."""
-        if self.type_name not in _BLOCK_BYTES:
-            raise ValueError(f"tensor {self.name!r} ({self.type_name}) is not block-quantised")
+        """The block contents of a tensor of one of ``BLOCK_TYPES``, in blocks of 32."""
+        if self.type_name not in BLOCK_TYPES:
+            raise ValueError(f"tensor {self.name!r} ({self.type_name}) has no 32-element blocks")
         return unpack_blocks(self.type_name, _rows(self.raw, self.shape), self.name)
 
 
@@ -197,36 +221,70 @@ def _rows(raw: np.ndarray, shape: tuple[int, ...]) -> npt.NDArray[np.uint8]:
 
 
 def unpack_blocks(type_name: str, data: np.ndarray, name: str = "?") -> BlockCodes:
-    """Decode ``[rows, n_blocks * block_bytes]`` uint8 into codes and block parameters."""
+    """Decode ``[rows, bytes]`` uint8 into codes and parameters of 32-element blocks."""
+    if type_name == "Q4_K":
+        return _unpack_q4_k(data)
     if type_name not in _BLOCK_BYTES:
         raise UnsupportedTensorType(name, type_name)
     nbytes = _BLOCK_BYTES[type_name]
     rows = data.shape[0]
     blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, -1, nbytes)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    d = _f16(blocks[..., 0:2])
     if type_name == "Q8_0":
         signed = blocks[..., 2:].view(np.int8)
         codes = (signed.astype(np.int16) + 128).astype(np.uint8)
         return BlockCodes(codes, d, np.zeros_like(d), offset=128, bits=8)
+    if type_name == "Q5_0":
+        high = blocks[..., 2:6].copy().view("<u4")  # [rows, nb, 1]
+        fifth = ((high >> np.arange(QK, dtype=np.uint32)) & 1).astype(np.uint8)
+        qs = blocks[..., 6:]
+        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1) | (fifth << 4)
+        return BlockCodes(codes, d, np.zeros_like(d), offset=16, bits=5)
     if type_name == "Q4_0":
         qs, minimum, offset = blocks[..., 2:], np.zeros_like(d), 8
     else:  # Q4_1
-        minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        minimum = _f16(blocks[..., 2:4])
         qs, offset = blocks[..., 4:], 0
     codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # low nibbles: 0..15, high: 16..31
     return BlockCodes(codes, d, minimum, offset=offset, bits=4)
 
 
+def _f16(two_bytes: np.ndarray) -> npt.NDArray[np.float32]:
+    """``[..., 2]`` uint8 little-endian halves as float32 ``[...]``."""
+    return np.ascontiguousarray(two_bytes).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _unpack_q4_k(data: np.ndarray) -> BlockCodes:
+    """Q4_K super-blocks as eight Q4_1-style blocks of 32 each."""
+    rows = data.shape[0]
+    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, -1, _Q4_K_BYTES)
+    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+    sc_bytes, qs = blocks[..., 4:16], blocks[..., 16:]
+    # The 6-bit scales and mins of sub-blocks 0..3 are the low six bits of
+    # bytes 0..3 and 4..7; those of 4..7 take their low four bits from the
+    # nibbles of bytes 8..11 and their top two from the top bits of 0..3, 4..7.
+    lo, mid, hi = sc_bytes[..., 0:4], sc_bytes[..., 4:8], sc_bytes[..., 8:12]
+    sc = np.concatenate([lo & 63, (hi & 0x0F) | ((lo >> 6) << 4)], axis=-1)  # [rows, n, 8]
+    mn = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=-1)
+    pairs = qs.reshape(rows, -1, 4, QK)  # 4 pairs of sub-blocks, 32 bytes each
+    codes = np.stack([pairs & 0x0F, pairs >> 4], axis=3).reshape(rows, -1, QK)  # [rows, n*8, 32]
+    scale = (d[..., None] * sc.astype(np.float32)).reshape(rows, -1)
+    minimum = -(dmin[..., None] * mn.astype(np.float32)).reshape(rows, -1)
+    return BlockCodes(codes, scale, minimum, offset=0, bits=4)
+
+
 def dequantize(
     type_name: str, raw: np.ndarray, shape: tuple[int, ...], name: str = "?"
 ) -> npt.NDArray[np.float32]:
-    """Any supported tensor as float32 of ``shape``."""
+    """Any supported tensor as float32 of ``shape`` (the ``gguf`` package's decoding)."""
     if type_name == "F32":
         return np.asarray(raw, dtype=np.float32).reshape(shape)
     if type_name == "F16":
         return np.asarray(raw, dtype=np.float16).astype(np.float32).reshape(shape)
-    if type_name not in _BLOCK_BYTES:
+    if type_name not in SUPPORTED_TYPES:
         raise UnsupportedTensorType(name, type_name)
-    b = unpack_blocks(type_name, _rows(raw, shape), name)
-    values = b.scale[..., None] * (b.codes.astype(np.float32) - b.offset) + b.minimum[..., None]
-    return values.reshape(shape).astype(np.float32, copy=False)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    values = gguf_dequantize(np.asarray(raw), GGMLQuantizationType[type_name])
+    return np.asarray(values, dtype=np.float32).reshape(shape)

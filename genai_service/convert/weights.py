@@ -1,10 +1,13 @@
 """Linear-layer weights for ONNX: row un-permutation, fusion and the three formats.
 
 - ``fp32``: dequantised float32, stored transposed (``[K, N]``) for ``MatMul``.
-- ``int8``: ``com.microsoft.MatMulNBits`` with 8-bit blocks of 32. Q8_0 blocks are
-  carried over exactly (codes + 128, default zero point 128); anything else is
-  re-quantised per block with min/max (which reproduces Q4_1 blocks almost
-  exactly: the codes become ``17 * q`` and only the zero point is rounded).
+- ``int8``: ``com.microsoft.MatMulNBits`` with 8-bit blocks of 32. Symmetric
+  blocks (Q8_0, Q4_0, Q5_0: ``x = d * (q - offset)``) are carried over exactly
+  (codes ``q - offset + 128``, default zero point 128); anything else is
+  dequantised (the ``gguf`` package's decoding) and re-quantised per block with
+  min/max (which reproduces Q4_1/Q4_K blocks almost exactly: the codes become
+  ``17 * q`` and only the zero point is rounded; 5- and 6-bit codes keep
+  about 1/500 of a block's range).
 - ``int4``: ``MatMulNBits`` with 4-bit blocks of 32 and the *default* zero point 8,
   so ONNX Runtime's fast integer kernel applies (a float zero point ``-m/d`` is
   exact but takes a ~50x slower kernel; rounding it to an integer is badly
@@ -16,8 +19,9 @@
   4-bit weight blocks: a coarse piece plus a residual piece, which keeps the
   offset to ~1/200 of its range (measured: same KL vs fp32 as an exact float
   correction) at the cost of one tiny MatMul and a Concat per projection.
-  Q4_0 blocks need no offset; float and Q8_0 sources are re-quantised to
-  Q4_1-style blocks (min/max, exact float minimum).
+  Q4_0 blocks need no offset; Q4_1 and Q4_K blocks (float scale and minimum
+  per 32 elements) are carried over exactly this way; every other source is
+  re-quantised to Q4_1-style blocks (min/max, exact float minimum).
 """
 
 from __future__ import annotations
@@ -33,6 +37,11 @@ from genai_service.convert.gguf_model import QK, TensorRef
 WEIGHT_FORMATS = ("fp32", "int8", "int4")
 # Chosen by measurement (docs/models.md): the fastest format within the quality bar.
 DEFAULT_WEIGHTS = "int8"
+
+# Carried over without loss: 4-bit codes with a float scale (and minimum) per 32
+# elements into int4; symmetric blocks of up to 8 bits into int8.
+FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+SYMMETRIC_TYPES = ("Q8_0", "Q4_0", "Q5_0")
 
 # 4-bit pieces encoding the per-block offsets (coarse + residual): error <= range/196.
 OFFSET_PIECES = 2
@@ -113,7 +122,7 @@ def _blockwise(x: F32) -> F32:
 def _affine4(part: LinearPart) -> tuple[U8, F32, F32]:
     """4-bit codes ``[rows, nb, 32]``, scale and minimum with ``x = s*code + mn``."""
     ref = part.ref
-    if ref.type_name in ("Q4_0", "Q4_1"):
+    if ref.type_name in FOUR_BIT_TYPES:
         b = ref.block_codes()
         return b.codes, b.scale, (b.minimum - b.scale * b.offset).astype(np.float32)
     x = _blockwise(ref.dequantize())
@@ -127,9 +136,10 @@ def _affine4(part: LinearPart) -> tuple[U8, F32, F32]:
 def _affine8(part: LinearPart) -> tuple[U8, F32, U8]:
     """8-bit codes ``[rows, nb, 32]``, scale and integer zero point: ``x = s*(code - zp)``."""
     ref = part.ref
-    if ref.type_name == "Q8_0":
+    if ref.type_name in SYMMETRIC_TYPES:
         b = ref.block_codes()
-        return b.codes, b.scale, np.full(b.scale.shape, 128, dtype=np.uint8)
+        codes = (b.codes.astype(np.int16) - b.offset + 128).astype(np.uint8)
+        return codes, b.scale, np.full(b.scale.shape, 128, dtype=np.uint8)
     x = _blockwise(ref.dequantize())
     lo = np.minimum(x.min(axis=-1), 0.0)  # the range must hold 0 for an integer zero point
     hi = np.maximum(x.max(axis=-1), 0.0)

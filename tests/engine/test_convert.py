@@ -16,6 +16,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import GGML_QUANT_SIZES
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
@@ -23,6 +24,9 @@ from genai_service.convert import default_model
 from genai_service.convert.__main__ import main as cli_main
 from genai_service.convert.convert import ConvertOptions, convert
 from genai_service.convert.gguf_model import (
+    BLOCK_TYPES,
+    QK,
+    QUANTIZED_TYPES,
     TensorRef,
     UnsupportedTensorType,
     dequantize,
@@ -105,7 +109,7 @@ HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 64, 128, 4, 2, 2
 
 def write_tiny_gguf(
     path: Path,
-    extra_q6k: bool = False,
+    extra_q8k: bool = False,
     untied: bool = False,
     extra: str | None = None,
     seed: int = 0,
@@ -161,8 +165,8 @@ def write_tiny_gguf(
         add("output.weight", (len(tokens), HIDDEN), Q.Q4_1, 0.5)
     if extra:
         add(extra, (HIDDEN,), Q.F32, 1.0)
-    if extra_q6k:  # one 256-element Q6_K block (210 bytes); its contents do not matter
-        w.add_tensor("extra.weight", np.zeros((1, 210), dtype=np.uint8), raw_dtype=Q.Q6_K)
+    if extra_q8k:  # one 256-element Q8_K block (292 bytes), which gguf cannot dequantize
+        w.add_tensor("extra.weight", np.zeros((1, 292), dtype=np.uint8), raw_dtype=Q.Q8_K)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -270,12 +274,87 @@ def test_dequantize_matches_gguf_package(qtype: GGMLQuantizationType) -> None:
     np.testing.assert_array_equal(ours, gguf_dequantize(raw, qtype).reshape(8, 96))
 
 
+def random_blocks(qtype: GGMLQuantizationType, rows: int, blocks: int, seed: int = 0) -> np.ndarray:
+    """Random bytes for ``blocks`` blocks per row, with every float16 field of
+    the block (scales, mins) set to small finite values."""
+    _, nbytes = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, blocks, nbytes), dtype=np.uint8)
+    halves = {"Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2)}
+    halves |= {"Q6_K": (-2,), "Q3_K": (-2,), "Q2_K": (-4, -2)}  # d (and dmin) last
+    for at in halves.get(qtype.name, (0,)):
+        value = rng.uniform(0.005, 0.05, size=(rows, blocks)).astype(np.float16)
+        start = at if at >= 0 else nbytes + at
+        raw[..., start : start + 2] = value[..., None].view(np.uint8).reshape(rows, blocks, 2)
+    return raw.reshape(rows, blocks * nbytes)
+
+
+@pytest.mark.parametrize("type_name", QUANTIZED_TYPES)
+def test_every_supported_type_dequantizes_as_the_gguf_package(type_name: str) -> None:
+    qtype = Q[type_name]
+    block, _ = GGML_QUANT_SIZES[qtype]
+    raw = random_blocks(qtype, 3, 2)
+    with np.errstate(all="ignore"):
+        expected = gguf_dequantize(raw, qtype)
+        ours = TensorRef("w", type_name, (3, 2 * block), raw).dequantize()
+    np.testing.assert_array_equal(ours, expected)
+
+
+@pytest.mark.parametrize("type_name", BLOCK_TYPES)
+def test_unpacked_blocks_are_the_gguf_packages_values(type_name: str) -> None:
+    """The codes, scales and mins carried over into the graph reproduce the
+    gguf package's float32 values exactly, on random blocks."""
+    qtype = Q[type_name]
+    block, _ = GGML_QUANT_SIZES[qtype]
+    raw = random_blocks(qtype, 4, 3, seed=5)
+    b = TensorRef("w", type_name, (4, 3 * block), raw).block_codes()
+    ours = b.scale[..., None] * (b.codes.astype(np.float32) - b.offset) + b.minimum[..., None]
+    np.testing.assert_array_equal(ours.reshape(4, -1), gguf_dequantize(raw, qtype))
+
+
+@pytest.mark.parametrize(("type_name", "bits"), [("Q4_K", 4), ("Q5_0", 8), ("Q4_0", 8)])
+def test_exact_types_lose_nothing_in_the_graph_format(type_name: str, bits: int) -> None:
+    qtype = Q[type_name]
+    block, _ = GGML_QUANT_SIZES[qtype]
+    raw = random_blocks(qtype, 8, 1024 // block, seed=7)
+    ref = TensorRef("w", type_name, (8, 1024), raw)
+    lin = nbits_linear([LinearPart(ref)], bits)
+    if bits == 4:  # exact codes and scales; the minimum is a folded offset (~1/200 of its range)
+        assert lin.offset_blocks > 0
+        w = lin.scales[:, : 1024 // QK, None] * (
+            np.stack([lin.packed & 0x0F, lin.packed >> 4], -1).reshape(8, -1, QK)[:, : 1024 // QK]
+            .astype(np.float32) - 8
+        )
+        b = ref.block_codes()
+        np.testing.assert_array_equal(
+            w + (8 * b.scale)[..., None], (b.scale[..., None] * b.codes).astype(np.float32)
+        )
+    else:
+        assert lin.zero_points is None
+        np.testing.assert_array_equal(dequantize_nbits(lin), ref.dequantize())
+
+
+@pytest.mark.parametrize("type_name", ["Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS"])
+def test_other_types_requantize_to_8_bits_within_a_step(type_name: str) -> None:
+    qtype = Q[type_name]
+    block, _ = GGML_QUANT_SIZES[qtype]
+    raw = random_blocks(qtype, 8, 1024 // block, seed=3)
+    ref = TensorRef("w", type_name, (8, 1024), raw)
+    with np.errstate(all="ignore"):
+        source = ref.dequantize()
+    lin = nbits_linear([LinearPart(ref)], 8)
+    blocks = source.reshape(8, -1, QK)
+    span = np.maximum(blocks.max(-1), 0) - np.minimum(blocks.min(-1), 0)
+    err = np.abs(dequantize_nbits(lin) - source).reshape(8, -1, QK).max(-1)
+    assert np.all(err <= span / 255 + 1e-6)  # the code and the zero point each round
+
+
 def test_unsupported_tensor_type_names_tensor_and_type(tmp_path: Path) -> None:
-    ref = TensorRef("blk.3.ffn_down.weight", "Q6_K", (4, 256), np.zeros((4, 210), np.uint8))
-    with pytest.raises(UnsupportedTensorType, match=r"blk\.3\.ffn_down\.weight.*Q6_K"):
+    ref = TensorRef("blk.3.ffn_down.weight", "Q8_K", (4, 256), np.zeros((4, 292), np.uint8))
+    with pytest.raises(UnsupportedTensorType, match=r"blk\.3\.ffn_down\.weight.*Q8_K"):
         ref.dequantize()
-    path = write_tiny_gguf(tmp_path / "q6k.gguf", extra_q6k=True)
-    with pytest.raises(UnsupportedTensorType, match=r"extra\.weight.*Q6_K.*Q4_1"):
+    path = write_tiny_gguf(tmp_path / "q8k.gguf", extra_q8k=True)
+    with pytest.raises(UnsupportedTensorType, match=r"extra\.weight.*Q8_K.*Q4_K"):
         convert(path, tmp_path / "out", progress=False)
 
 
