@@ -25,6 +25,7 @@ class ReferenceModel:
     eps: float
     theta: float
     weights: dict[str, np.ndarray]
+    linear_factor: float = 1.0  # rope.scaling.type linear: positions / factor
 
     @classmethod
     def load(cls, path: str | Path) -> ReferenceModel:
@@ -43,6 +44,9 @@ class ReferenceModel:
             eps=float(meta["llama.attention.layer_norm_rms_epsilon"]),
             theta=float(meta["llama.rope.freq_base"]),
             weights=weights,
+            linear_factor=float(meta.get("llama.rope.scaling.factor", 1.0))
+            if meta.get("llama.rope.scaling.type") == "linear"
+            else 1.0,
         )
 
     def _norm(self, x: np.ndarray, name: str) -> np.ndarray:
@@ -52,7 +56,9 @@ class ReferenceModel:
         """llama.cpp "NORM" RoPE: rotate adjacent pairs. x: [seq, heads, head_dim]."""
         hd = x.shape[-1]
         inv = self.theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
-        ang = pos[:, None, None] * inv[None, None, :]  # [seq, 1, hd/2]
+        if "rope_freqs.weight" in self.weights:  # llama.cpp: theta_i / freq_factors[i]
+            inv = inv / self.weights["rope_freqs.weight"]
+        ang = (pos / self.linear_factor)[:, None, None] * inv[None, None, :]  # [seq, 1, hd/2]
         x0, x1 = x[..., 0::2], x[..., 1::2]
         out = np.empty_like(x)
         out[..., 0::2] = x0 * np.cos(ang) - x1 * np.sin(ang)

@@ -20,13 +20,13 @@ import onnx
 import structlog
 from tqdm import tqdm
 
-from genai_service.convert.gguf_model import GGUFModel, LlamaParams
-from genai_service.convert.graph_build import GraphOptions, build_llama
+from genai_service.convert.gguf_model import DecoderParams, GGUFModel
+from genai_service.convert.graph_build import GraphOptions, build_decoder
 from genai_service.convert.tokenizer_build import VocabSpec, write_tokenizer
 from genai_service.convert.weights import DEFAULT_WEIGHTS
 
 # Bump whenever the produced directory changes; cached conversions are keyed by it.
-CONVERTER_VERSION = "2"
+CONVERTER_VERSION = "3"
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
@@ -60,7 +60,7 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def genai_config(params: LlamaParams, vocab: VocabSpec) -> dict[str, Any]:
+def genai_config(params: DecoderParams, vocab: VocabSpec) -> dict[str, Any]:
     """``genai_config.json`` as onnxruntime-genai reads it (shared past/present buffer)."""
     eos = vocab.eos_id if vocab.eos_id is not None else 0
     return {
@@ -89,7 +89,7 @@ def genai_config(params: LlamaParams, vocab: VocabSpec) -> dict[str, Any]:
             },
             "eos_token_id": eos,
             "pad_token_id": vocab.pad_id if vocab.pad_id is not None else eos,
-            "type": "llama",
+            "type": params.arch,
             "vocab_size": params.vocab_size,
         },
         "search": {
@@ -140,7 +140,7 @@ def convert(
     digest = source_sha256 or sha256_file(src)
     gguf = GGUFModel(src)
     gguf.check_types()
-    params = gguf.llama_params()
+    params = gguf.decoder_params()
     vocab = VocabSpec.from_metadata(gguf.metadata)
     log.info("converting", source=src.name, weights=options.weights, layers=params.n_layers)
 
@@ -156,7 +156,7 @@ def convert(
             bar.set_postfix_str(msg)
             bar.update(1)
 
-        model = build_llama(gguf, graph_options, progress=step)
+        model = build_decoder(gguf, graph_options, progress=step)
         bar.set_postfix_str("save")
         onnx.save_model(
             model,

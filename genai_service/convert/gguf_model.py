@@ -105,10 +105,22 @@ class TensorRef:
         return unpack_blocks(self.type_name, _rows(self.raw, self.shape), self.name)
 
 
-@dataclass(frozen=True)
-class LlamaParams:
-    """Architecture values read from ``llama.*`` metadata."""
+ARCHITECTURES = ("llama", "gemma3", "qwen2", "qwen3")
+GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp's value; newer files say it (rope.freq_base_swa)
+GEMMA3_SLIDING_PATTERN = 6  # five local layers, then one global
 
+
+@dataclass(frozen=True)
+class DecoderParams:
+    """Architecture values read from a file's ``{architecture}.*`` metadata.
+
+    One decoder shape covers the supported families (docs/models.md, "What is
+    supported"): Llama (llama.cpp permutes its Q/K rows), Qwen2 (q/k/v biases),
+    Qwen3 (QK-norm) and Gemma 3 (QK-norm, norms after attention and MLP,
+    GELU-tanh, a scaled embedding, local layers with their own RoPE base).
+    """
+
+    arch: str
     n_layers: int
     hidden: int
     ffn: int
@@ -120,49 +132,117 @@ class LlamaParams:
     rms_eps: float
     context_length: int
     vocab_size: int
+    attn_scale: float
+    rope_permuted: bool = True  # llama.cpp stored Q/K rows interleaved for its RoPE kernel
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    post_norms: bool = False  # a norm on the attention and on the MLP output (Gemma)
+    activation: str = "silu"  # silu | gelu_tanh, on the gate of a gated MLP
+    embed_scale: float = 1.0
+    sliding_window: int = 0  # > 0: the local layers attend to this many positions
+    sliding_pattern: int = 0  # layer i is global when (i + 1) % pattern == 0
+    rope_theta_local: float = 0.0  # the local layers' RoPE base
+    # RoPE scaling of the global layers: positions divided by this ("linear"),
+    # and the per-frequency divisors of rope_freqs.weight (Llama 3.1's "llama3"
+    # scaling, which llama.cpp's converter bakes into that tensor).
+    rope_linear_factor: float = 1.0
+    rope_freq_factors: bool = False
+
+    def is_local(self, layer: int) -> bool:
+        """Whether ``layer`` attends through the sliding window."""
+        if self.sliding_window <= 0:
+            return False
+        return self.sliding_pattern <= 0 or (layer + 1) % self.sliding_pattern != 0
+
+    def window(self, layer: int) -> int:
+        """``layer``'s attention window in positions (0: the whole context)."""
+        return self.sliding_window if self.is_local(layer) else 0
 
     @classmethod
-    def from_metadata(cls, meta: dict[str, Any]) -> LlamaParams:
+    def from_metadata(cls, meta: dict[str, Any], tensor_names: set[str]) -> DecoderParams:
         arch = meta.get("general.architecture")
-        if arch != "llama":
+        if arch not in ARCHITECTURES:
             raise ValueError(
-                f"general.architecture is {arch!r}; only 'llama' (Llama-family GGUF files) "
-                "is supported"
+                f"general.architecture is {arch!r}; supported: {', '.join(ARCHITECTURES)}"
             )
 
         def need(key: str) -> Any:
-            if key not in meta:
-                raise ValueError(f"GGUF metadata lacks {key!r}")
-            return meta[key]
+            if f"{arch}.{key}" not in meta:
+                raise ValueError(f"GGUF metadata lacks {arch}.{key!r}")
+            return meta[f"{arch}.{key}"]
 
-        hidden = int(need("llama.embedding_length"))
-        n_heads = int(need("llama.attention.head_count"))
-        head_dim = hidden // n_heads
-        n_vocab = meta.get("llama.vocab_size")
+        def get(key: str, default: Any) -> Any:
+            return meta.get(f"{arch}.{key}", default)
+
+        hidden = int(need("embedding_length"))
+        n_heads = int(need("attention.head_count"))
+        head_dim = int(get("attention.key_length", hidden // n_heads))
+        if int(get("attention.value_length", head_dim)) != head_dim:
+            raise ValueError(f"{arch}.attention.value_length differs from key_length")
+        n_layers = int(need("block_count"))
+        n_vocab = get("vocab_size", None)
         if n_vocab is None:
-            n_vocab = len(need("tokenizer.ggml.tokens"))
-        params = cls(
-            n_layers=int(need("llama.block_count")),
+            n_vocab = len(meta.get("tokenizer.ggml.tokens") or [])
+            if not n_vocab:
+                raise ValueError("GGUF metadata lacks tokenizer.ggml.tokens")
+        scaling = get("rope.scaling.type", "none")
+        linear_factor = 1.0
+        if scaling == "linear":
+            linear_factor = float(get("rope.scaling.factor", 1.0))
+            if not linear_factor > 0:
+                raise ValueError(f"{arch}.rope.scaling.factor {linear_factor} must be > 0")
+        elif scaling != "none":
+            raise ValueError(
+                f"{arch}.rope.scaling.type {scaling!r} is not supported (supported: none, "
+                "linear, and llama3's frequency factors in rope_freqs.weight)"
+            )
+        common: dict[str, Any] = dict(
+            arch=arch,
+            n_layers=n_layers,
             hidden=hidden,
-            ffn=int(need("llama.feed_forward_length")),
+            ffn=int(need("feed_forward_length")),
             n_heads=n_heads,
-            n_kv_heads=int(meta.get("llama.attention.head_count_kv", n_heads)),
+            n_kv_heads=int(get("attention.head_count_kv", n_heads)),
             head_dim=head_dim,
-            rope_dim=int(meta.get("llama.rope.dimension_count", head_dim)),
-            rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
-            rms_eps=float(need("llama.attention.layer_norm_rms_epsilon")),
-            context_length=int(need("llama.context_length")),
+            rope_dim=int(get("rope.dimension_count", head_dim)),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rms_eps=float(need("attention.layer_norm_rms_epsilon")),
+            context_length=int(need("context_length")),
             vocab_size=int(n_vocab),
+            attn_scale=float(1.0 / np.sqrt(head_dim)),
+            rope_linear_factor=linear_factor,
+            rope_freq_factors="rope_freqs.weight" in tensor_names,
         )
+        if arch == "llama":
+            params = cls(**common)
+        elif arch == "qwen2":
+            params = cls(**common, rope_permuted=False, qkv_bias=True)
+        elif arch == "qwen3":
+            params = cls(**common, rope_permuted=False, qk_norm=True)
+        else:  # gemma3
+            window = int(get("attention.sliding_window", 0))
+            if n_layers == 62:  # the 27B scales by hidden / heads (query_pre_attn_scalar)
+                common["attn_scale"] = float(1.0 / np.sqrt(hidden / n_heads))
+            params = cls(
+                **common,
+                rope_permuted=False,
+                qk_norm=True,
+                post_norms=True,
+                activation="gelu_tanh",
+                embed_scale=float(np.sqrt(hidden)),
+                sliding_window=window,
+                sliding_pattern=GEMMA3_SLIDING_PATTERN,
+                rope_theta_local=float(get("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)),
+            )
         if params.rope_dim != head_dim:
             raise ValueError(
                 f"partial rotary embeddings (rope.dimension_count {params.rope_dim} != head_dim "
                 f"{head_dim}) are not supported"
             )
-        if "llama.rope.scaling.type" in meta and meta["llama.rope.scaling.type"] != "none":
-            raise ValueError(f"RoPE scaling {meta['llama.rope.scaling.type']!r} is not supported")
         if n_heads % params.n_kv_heads:
             raise ValueError(f"head_count {n_heads} is not a multiple of head_count_kv")
+        if params.rope_freq_factors and params.sliding_window:
+            raise ValueError("rope_freqs.weight with sliding-window layers is not supported")
         return params
 
 
@@ -200,8 +280,8 @@ class GGUFModel:
         except KeyError:
             raise KeyError(f"GGUF file {self.path.name} has no tensor {name!r}") from None
 
-    def llama_params(self) -> LlamaParams:
-        return LlamaParams.from_metadata(self.metadata)
+    def decoder_params(self) -> DecoderParams:
+        return DecoderParams.from_metadata(self.metadata, set(self._tensors))
 
     def unused_tensors(self) -> list[str]:
         """Tensors never read through :meth:`tensor` (after building: not understood)."""

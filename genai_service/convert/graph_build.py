@@ -1,4 +1,4 @@
-"""The ONNX graph of a Llama-family decoder (docs/design.md, "Model directory").
+"""The ONNX graph of a decoder: Llama, Qwen2/3, Gemma 3 (docs/design.md, "Model directory").
 
 Inputs ``input_ids`` ``[batch, seq]`` and ``attention_mask`` ``[batch, total_seq]``
 (int64) and ``past_key_values.{i}.key/value`` ``[batch, kv_heads, past_seq, head_dim]``;
@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from genai_service.convert.gguf_model import QK, GGUFModel, LlamaParams
+from genai_service.convert.gguf_model import QK, DecoderParams, GGUFModel
 from genai_service.convert.weights import (
     DEFAULT_WEIGHTS,
     WEIGHT_FORMATS,
@@ -103,11 +103,11 @@ class _Graph:
         return outs
 
 
-class _LlamaBuilder:
+class _DecoderBuilder:
     def __init__(
         self,
         gguf: GGUFModel,
-        params: LlamaParams,
+        params: DecoderParams,
         options: GraphOptions,
         progress: Callable[[str], None],
     ) -> None:
@@ -195,12 +195,17 @@ class _LlamaBuilder:
             axis=0,
         )[0]
         total_len = g.op("Cast", [total], "total_sequence_length", to=TensorProto.INT32)[0]
-        cos, sin = self.rotary_cache()
+        rotary = {False: self.rotary_cache(p.rope_theta, "", scaled=True)}
+        if any(p.is_local(i) for i in range(p.n_layers)) and p.rope_theta_local:
+            rotary[True] = self.rotary_cache(p.rope_theta_local, "_local", scaled=False)
+        else:
+            rotary[True] = rotary[False]
 
         hidden, lm_head = self.embeddings()
         residual: str | None = None
         for i in range(p.n_layers):
             self.progress(f"layer {i}")
+            cos, sin = rotary[p.is_local(i)]
             hidden, residual = self.layer(i, hidden, residual, seqlens_k, total_len, cos, sin)
 
         self.progress("lm head")
@@ -225,15 +230,34 @@ class _LlamaBuilder:
         lm_head(normed)
         return self.model()
 
-    def rotary_cache(self) -> tuple[str, str]:
+    def rotary_cache(self, theta: float, suffix: str, scaled: bool) -> tuple[str, str]:
+        """cos/sin tables ``[positions, rope_dim / 2]``; ``scaled``: with the
+        file's RoPE scaling (the global layers; Gemma's local ones have none)."""
         p = self.p
         n_pos = self.opt.max_positions or p.context_length
-        inv_freq = p.rope_theta ** (-np.arange(0, p.rope_dim, 2, dtype=np.float64) / p.rope_dim)
+        inv_freq = theta ** (-np.arange(0, p.rope_dim, 2, dtype=np.float64) / p.rope_dim)
+        if scaled:
+            inv_freq = inv_freq / p.rope_linear_factor
+            if p.rope_freq_factors:  # llama.cpp: theta / freq_factors[i]
+                values = self.gguf.tensor("rope_freqs.weight").dequantize()
+                if values.size != inv_freq.size:
+                    raise ValueError(
+                        f"rope_freqs.weight has {values.size} values; rope_dim / 2 is "
+                        f"{inv_freq.size}"
+                    )
+                inv_freq = inv_freq / values.reshape(-1).astype(np.float64)
         angles = np.outer(np.arange(n_pos, dtype=np.float64), inv_freq)  # [n_pos, rope_dim/2]
         return (
-            self.g.const("cos_cache", np.cos(angles).astype(np.float32)),
-            self.g.const("sin_cache", np.sin(angles).astype(np.float32)),
+            self.g.const(f"cos_cache{suffix}", np.cos(angles).astype(np.float32)),
+            self.g.const(f"sin_cache{suffix}", np.sin(angles).astype(np.float32)),
         )
+
+    def scaled(self, hidden: str) -> str:
+        """The embedding times ``embed_scale`` (Gemma: sqrt(hidden))."""
+        if self.p.embed_scale == 1.0:
+            return hidden
+        scale = self.g.const("embed_tokens/scale", np.array(self.p.embed_scale, dtype=np.float32))
+        return self.g.op("Mul", [hidden, scale], "embed_tokens/scaled")[0]
 
     def embeddings(self) -> tuple[str, Callable[[str], None]]:
         """The token embedding output and a function emitting the LM head."""
@@ -242,7 +266,7 @@ class _LlamaBuilder:
         tied = not self.gguf.has("output.weight")
         if self.opt.weights == "fp32":
             table = g.const("embed_tokens.weight", embd.dequantize())  # [vocab, hidden]
-            hidden = g.op("Gather", [table, "input_ids"], "embed_tokens", axis=0)[0]
+            hidden = self.scaled(g.op("Gather", [table, "input_ids"], "embed_tokens", axis=0)[0])
 
             def lm_head(x: str) -> None:
                 if not tied:
@@ -288,6 +312,7 @@ class _LlamaBuilder:
             [blocks, g.const("embed_tokens/shape", np.array([0, 0, p.hidden], dtype=np.int64))],
             "embed_tokens",
         )[0]
+        hidden = self.scaled(hidden)
 
         def lm_head_q(x: str) -> None:
             level = self.opt.lm_head_accuracy_level
@@ -369,29 +394,40 @@ class _LlamaBuilder:
                 epsilon=p.rms_eps,
             )
 
+        heads = (p.n_heads, p.n_kv_heads) if p.rope_permuted else (0, 0)
         qkv = self.linear(
             x,
             [
-                LinearPart(t(f"blk.{i}.attn_q.weight"), p.n_heads),
-                LinearPart(t(f"blk.{i}.attn_k.weight"), p.n_kv_heads),
+                LinearPart(t(f"blk.{i}.attn_q.weight"), heads[0]),
+                LinearPart(t(f"blk.{i}.attn_k.weight"), heads[1]),
                 LinearPart(t(f"blk.{i}.attn_v.weight")),
             ],
             f"{pre}/qkv_proj",
         )
+        if p.qkv_bias:
+            bias = np.concatenate(
+                [t(f"blk.{i}.attn_{w}.bias").dequantize().reshape(-1) for w in "qkv"]
+            )
+            qkv = g.op("Add", [qkv, g.const(f"{pre}/qkv_proj.bias", bias)], f"{pre}/qkv_bias")[0]
         # Packed q|k|v: GroupQueryAttention splits it itself (key and value left empty).
+        q_k_v = [qkv, "", ""]
+        if p.qk_norm:
+            q_k_v = self.qk_norm(i, qkv)
+        inputs = [
+            *q_k_v,
+            f"past_key_values.{i}.key",
+            f"past_key_values.{i}.value",
+            seqlens_k,
+            total_len,
+            cos,
+            sin,
+        ]
+        attrs: dict[str, Any] = {}
+        if p.is_local(i):
+            attrs["local_window_size"] = p.window(i)
         attn = g.op(
             "GroupQueryAttention",
-            [
-                qkv,
-                "",
-                "",
-                f"past_key_values.{i}.key",
-                f"past_key_values.{i}.value",
-                seqlens_k,
-                total_len,
-                cos,
-                sin,
-            ],
+            inputs,
             f"{pre}/attn",
             domain=MS_DOMAIN,
             outputs=[f"{pre}/attn/out", f"present.{i}.key", f"present.{i}.value"],
@@ -399,11 +435,16 @@ class _LlamaBuilder:
             kv_num_heads=p.n_kv_heads,
             do_rotary=1,
             rotary_interleaved=0,
-            scale=float(1.0 / np.sqrt(p.head_dim)),
+            scale=p.attn_scale,
+            **attrs,
         )[0]
         attn_out = self.linear(
             attn, [LinearPart(t(f"blk.{i}.attn_output.weight"))], f"{pre}/o_proj"
         )
+        if p.post_norms:
+            attn_out = self.rms_norm(
+                attn_out, f"blk.{i}.post_attention_norm.weight", f"{pre}/post_attn_norm"
+            )
 
         x, _, _, residual = g.op(
             "SkipSimplifiedLayerNormalization",
@@ -420,11 +461,45 @@ class _LlamaBuilder:
         )
         split = g.const(f"{pre}/gate_up_split", np.array([p.ffn, p.ffn], dtype=np.int64))
         gate, up = g.op("Split", [gate_up, split], f"{pre}/gate_up_split", n_out=2, axis=-1)
-        sig = g.op("Sigmoid", [gate], f"{pre}/act/sigmoid")[0]
-        silu = g.op("Mul", [gate, sig], f"{pre}/act/silu")[0]
-        h = g.op("Mul", [silu, up], f"{pre}/act/mul_up")[0]
+        if p.activation == "gelu_tanh":
+            act = g.op("Gelu", [gate], f"{pre}/act/gelu", approximate="tanh")[0]
+        else:
+            sig = g.op("Sigmoid", [gate], f"{pre}/act/sigmoid")[0]
+            act = g.op("Mul", [gate, sig], f"{pre}/act/silu")[0]
+        h = g.op("Mul", [act, up], f"{pre}/act/mul_up")[0]
         down = self.linear(h, [LinearPart(t(f"blk.{i}.ffn_down.weight"))], f"{pre}/down_proj")
+        if p.post_norms:
+            down = self.rms_norm(down, f"blk.{i}.post_ffw_norm.weight", f"{pre}/post_ffw_norm")
         return down, residual
+
+    def qk_norm(self, i: int, qkv: str) -> list[str]:
+        """q, k and v of the packed projection, q and k RMS-normalised per head
+        (before RoPE, which the attention op applies). GroupQueryAttention's own
+        ``q_norm_weight`` inputs run on CUDA and WebGPU only, so the norm is
+        explicit: heads as the last axis' groups, one SimplifiedLayerNormalization."""
+        g, p, pre = self.g, self.p, f"layers.{i}"
+        sizes = np.array([p.n_heads, p.n_kv_heads, p.n_kv_heads], dtype=np.int64) * p.head_dim
+        q, k, v = g.op(
+            "Split", [qkv, g.const(f"{pre}/qkv_split", sizes)], f"{pre}/qkv_split", n_out=3, axis=-1
+        )
+        heads = g.const(f"{pre}/heads_shape", np.array([0, 0, -1, p.head_dim], dtype=np.int64))
+        flat = g.const(f"{pre}/flat_shape", np.array([0, 0, -1], dtype=np.int64))
+        out = []
+        for name, x in (("q", q), ("k", k)):
+            h = g.op("Reshape", [x, heads], f"{pre}/{name}_heads")[0]
+            h = self.rms_norm(h, f"blk.{i}.attn_{name}_norm.weight", f"{pre}/{name}_norm")
+            out.append(g.op("Reshape", [h, flat], f"{pre}/{name}_normed")[0])
+        return [*out, v]
+
+    def rms_norm(self, x: str, weight: str, name: str) -> str:
+        return self.g.op(
+            "SimplifiedLayerNormalization",
+            [x, self.norm_weight(weight)],
+            name,
+            axis=-1,
+            epsilon=self.p.rms_eps,
+            stash_type=1,
+        )[0]
 
     def model(self) -> onnx.ModelProto:
         p = self.p
@@ -462,7 +537,7 @@ class _LlamaBuilder:
             for kind in ("key", "value"):
                 inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", f32, kv))
                 outputs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", f32, present))
-        graph = helper.make_graph(self.g.nodes, "llama", inputs, outputs, self.g.initializers)
+        graph = helper.make_graph(self.g.nodes, p.arch, inputs, outputs, self.g.initializers)
         model = helper.make_model(
             graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)]
         )
@@ -473,21 +548,22 @@ class _LlamaBuilder:
             {
                 "genai.logits": "all" if self.opt.all_logits else "last",
                 "genai.weights": self.opt.weights,
+                "genai.architecture": p.arch,
             },
         )
         return model
 
 
-def build_llama(
+def build_decoder(
     gguf: GGUFModel, options: GraphOptions, progress: Callable[[str], None] | None = None
 ) -> onnx.ModelProto:
-    """The decoder graph for a Llama-family GGUF file."""
+    """The decoder graph for a GGUF file of one of the supported architectures."""
     gguf.check_types()
-    params = gguf.llama_params()
-    builder = _LlamaBuilder(gguf, params, options, progress or (lambda _msg: None))
+    params = gguf.decoder_params()
+    builder = _DecoderBuilder(gguf, params, options, progress or (lambda _msg: None))
     model = builder.build()
     unused = gguf.unused_tensors()
-    if unused:  # e.g. biases, rope_freqs (Llama 3.1 RoPE scaling): refuse rather than ignore
+    if unused:  # tensors of a variant we do not build: refuse, never ignore
         shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
         raise ValueError(f"the converter does not understand the GGUF tensors {shown}")
     return model

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
 from gguf.quants import GGML_QUANT_SIZES
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
@@ -40,6 +40,7 @@ from genai_service.convert.weights import (
 )
 from genai_service.model.model_dir import load_model_spec
 from tests.llama_reference import ReferenceModel
+from tests.synthetic_gguf import MERGES, TEMPLATE, tiny_vocab
 
 Q = GGMLQuantizationType
 FORMATS = ("fp32", "int8", "int4")
@@ -61,32 +62,6 @@ def kl(reference: np.ndarray, other: np.ndarray) -> float:
     """KL(reference || other) of the softmax distributions of two logit vectors."""
     lp, lq = logsoftmax(reference), logsoftmax(other)
     return float((np.exp(lp) * (lp - lq)).sum())
-
-
-def byte_chars() -> list[str]:
-    """GPT-2's byte → printable character table (byte-level BPE alphabet)."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    mapping = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return [mapping[b] for b in range(256)]
-
-
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld", "1 2"]
-TEMPLATE = (
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-
-def tiny_vocab() -> tuple[list[str], list[int]]:
-    tokens = SPECIALS + byte_chars() + [m.replace(" ", "") for m in MERGES]
-    types = [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS))
-    return tokens, types
 
 
 def tiny_spec(pre: str = "smollm") -> VocabSpec:
@@ -113,6 +88,9 @@ def write_tiny_gguf(
     untied: bool = False,
     extra: str | None = None,
     seed: int = 0,
+    rope_freqs: np.ndarray | None = None,
+    linear_scaling: float | None = None,
+    scaling_type: RopeScalingType = RopeScalingType.LINEAR,
 ) -> Path:
     """A 2-layer Llama GGUF with the tensor types the converter supports, mixed."""
     rng = np.random.default_rng(seed)
@@ -126,6 +104,9 @@ def write_tiny_gguf(
     w.add_head_count_kv(KV_HEADS)
     w.add_rope_freq_base(10000.0)
     w.add_rope_dimension_count(HIDDEN // HEADS)
+    if linear_scaling is not None:
+        w.add_rope_scaling_type(scaling_type)
+        w.add_rope_scaling_factor(linear_scaling)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(len(tokens))
     w.add_tokenizer_model("gpt2")
@@ -165,6 +146,8 @@ def write_tiny_gguf(
         add("output.weight", (len(tokens), HIDDEN), Q.Q4_1, 0.5)
     if extra:
         add(extra, (HIDDEN,), Q.F32, 1.0)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     if extra_q8k:  # one 256-element Q8_K block (292 bytes), which gguf cannot dequantize
         w.add_tensor("extra.weight", np.zeros((1, 292), dtype=np.uint8), raw_dtype=Q.Q8_K)
     w.write_header_to_file()
@@ -322,8 +305,10 @@ def test_exact_types_lose_nothing_in_the_graph_format(type_name: str, bits: int)
     if bits == 4:  # exact codes and scales; the minimum is a folded offset (~1/200 of its range)
         assert lin.offset_blocks > 0
         w = lin.scales[:, : 1024 // QK, None] * (
-            np.stack([lin.packed & 0x0F, lin.packed >> 4], -1).reshape(8, -1, QK)[:, : 1024 // QK]
-            .astype(np.float32) - 8
+            np.stack([lin.packed & 0x0F, lin.packed >> 4], -1)
+            .reshape(8, -1, QK)[:, : 1024 // QK]
+            .astype(np.float32)
+            - 8
         )
         b = ref.block_codes()
         np.testing.assert_array_equal(
@@ -471,8 +456,35 @@ def test_tiny_model_with_separate_lm_head(weights: str, tmp_path: Path) -> None:
 
 
 def test_unknown_tensors_are_an_error(tmp_path: Path) -> None:
-    gguf = write_tiny_gguf(tmp_path / "extra.gguf", extra="rope_freqs.weight")
-    with pytest.raises(ValueError, match="rope_freqs.weight"):
+    gguf = write_tiny_gguf(tmp_path / "extra.gguf", extra="blk.0.attn_sinks.weight")
+    with pytest.raises(ValueError, match="blk.0.attn_sinks.weight"):
+        convert(gguf, tmp_path / "out", progress=False)
+
+
+# Llama 3.1's "llama3" scaling as llama.cpp's converter bakes it into
+# rope_freqs.weight: 1 for the high frequencies, the factor for the low ones.
+LLAMA3_FACTORS = np.array([1.0, 1.0, 1.3, 2.1, 4.0, 8.0, 8.0, 8.0])
+
+
+@pytest.mark.parametrize(
+    "scaling", [{"rope_freqs": LLAMA3_FACTORS}, {"linear_scaling": 4.0}], ids=["llama3", "linear"]
+)
+def test_rope_scaling_matches_the_reference(scaling: dict, tmp_path: Path) -> None:
+    gguf = write_tiny_gguf(tmp_path / "scaled.gguf", **scaling)
+    sess = session(convert(gguf, tmp_path / "out", ConvertOptions(weights="fp32"), progress=False))
+    ids = TINY_IDS * 3  # positions far enough for the low frequencies to matter
+    want = ReferenceModel.load(gguf).logits(ids)[-1]
+    plain = ReferenceModel.load(write_tiny_gguf(tmp_path / "plain.gguf")).logits(ids)[-1]
+    got = prefill(sess, ids)[0][0, -1]
+    assert kl(want, got) < 1e-6
+    assert np.abs(want - plain).max() > 5e-3  # the scaling changed something
+
+
+def test_unsupported_rope_scaling_names_the_field(tmp_path: Path) -> None:
+    gguf = write_tiny_gguf(
+        tmp_path / "yarn.gguf", linear_scaling=2.0, scaling_type=RopeScalingType.YARN
+    )
+    with pytest.raises(ValueError, match="llama.rope.scaling.type 'yarn' is not supported"):
         convert(gguf, tmp_path / "out", progress=False)
 
 
