@@ -346,6 +346,7 @@ def model_info_from_proto(info: model_pb2.ModelInfo) -> ModelInfo:
         has_chat_template=info.has_chat_template,
         kv_chunk_size=info.kv_chunk_size,
         fim_supported=info.fim_supported,
+        attention_windows=tuple(info.attention_windows),
     )
 
 

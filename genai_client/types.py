@@ -177,6 +177,8 @@ class ModelInfo:
     has_chat_template: bool
     kv_chunk_size: int
     fim_supported: bool = False  # fill in the middle (fim_prefix/fim_suffix) works
+    # per layer: sliding attention window in tokens, 0 = the whole context
+    attention_windows: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

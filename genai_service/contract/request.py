@@ -270,6 +270,8 @@ class EngineInfo:
     has_chat_template: bool
     kv_chunk_size: int
     fim_supported: bool = False  # the tokenizer has fill-in-the-middle tokens
+    # per layer: sliding attention window in tokens, 0 = the whole context
+    attention_windows: tuple[int, ...] = ()
 
 
 def merge_outputs(*outputs: RequestOutput) -> RequestOutput:

@@ -206,6 +206,7 @@ class LLMEngine(InProcessDriver):
             has_chat_template=self.tokenizer.has_chat_template(),
             fim_supported=self.tokenizer.fim is not None,
             kv_chunk_size=self.chunk_size,
+            attention_windows=self.spec.attention_windows,
         )
 
     def add_request(self, request: GenerationRequest) -> None:

@@ -115,6 +115,9 @@ class ModelSpec:
     # Each layer's rotary tables in the graph, where every layer's
     # GroupQueryAttention applies RoPE from initializers (model/rope.py); None otherwise.
     rope_sources: tuple[RopeSource, ...] | None = field(default=None, hash=False)
+    # Per layer: the sliding attention window in tokens (GroupQueryAttention's
+    # local_window_size), 0 where the layer sees the whole context.
+    attention_windows: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -244,6 +247,7 @@ def load_model_spec(path: str | Path) -> ModelSpec:
         chat_template=find_chat_template(root, tok_cfg),
         fingerprint=_fingerprint(graph_bytes, _external_data_sizes(model, onnx_path)),
         rope_sources=find_rope_sources(model, [k for k, _ in past_names]),
+        attention_windows=_attention_windows(model, [k for k, _ in past_names]),
     )
 
 
@@ -442,6 +446,19 @@ def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
             elif attr.type == onnx.AttributeProto.GRAPHS:
                 for g in attr.graphs:
                     yield from _graphs(g)
+
+
+def _attention_windows(model: onnx.ModelProto, past_key_names: list[str]) -> tuple[int, ...]:
+    """Each layer's sliding window (layer order of ``past_key_names``): the
+    ``local_window_size`` of the GroupQueryAttention node reading its past key;
+    0 for a global layer, a layer without that op, or the attribute's -1."""
+    by_past = {}
+    for node in _all_nodes(model):
+        if node.op_type == "GroupQueryAttention" and node.domain == "com.microsoft":
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            if len(node.input) > 3:
+                by_past[node.input[3]] = max(0, int(attrs.get("local_window_size", -1)))
+    return tuple(by_past.get(name, 0) for name in past_key_names)
 
 
 def _all_nodes(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:

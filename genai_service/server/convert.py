@@ -418,4 +418,5 @@ def model_info(info: EngineInfo) -> model_pb2.ModelInfo:
         has_chat_template=info.has_chat_template,
         kv_chunk_size=info.kv_chunk_size,
         fim_supported=info.fim_supported,
+        attention_windows=list(info.attention_windows),
     )
