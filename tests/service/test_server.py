@@ -165,7 +165,9 @@ def test_bidi_two_requests_one_cancelled(channel: grpc.Channel) -> None:
     first_delta = threading.Event()
 
     def requests() -> Iterator[generate_pb2.BidiRequest]:
-        yield generate_pb2.BidiRequest(start=gen_request("the cat", 100, request_id="long"))
+        # 4,000 tokens: long enough that the cancel always lands first (100 did not on a
+        # fast CI machine: the tiny model finished before the cancel was read).
+        yield generate_pb2.BidiRequest(start=gen_request("the cat", 4000, request_id="long"))
         yield generate_pb2.BidiRequest(start=gen_request("the dog", 10, request_id="short"))
         first_delta.wait(30)
         yield generate_pb2.BidiRequest(cancel=generate_pb2.CancelRequest(request_id="long"))
@@ -183,7 +185,7 @@ def test_bidi_two_requests_one_cancelled(channel: grpc.Channel) -> None:
     assert finals["short"].finish_reason == common_pb2.FINISH_REASON_MAX_TOKENS
     assert tokens["short"] == 10
     assert finals["long"].finish_reason == common_pb2.FINISH_REASON_CANCELLED
-    assert tokens["long"] < 100
+    assert tokens["long"] < 4000
 
 
 def test_bidi_errors_are_per_request(channel: grpc.Channel) -> None:
