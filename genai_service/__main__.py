@@ -60,6 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p, ServerConfig, only=("host", "port"))
     add_logging_flags(p, ServerConfig.log_format)
     add_flags(p, ServerConfig, only=("metrics_port", "http_port", "grace_period_s"))
+    add_flags(
+        p.add_argument_group("HTTP connections"),
+        ServerConfig,
+        only=(
+            "http_header_timeout_s",
+            "http_body_timeout_s",
+            "http_idle_timeout_s",
+            "http_max_connections",
+        ),
+    )
     add_flags(p, ServerConfig, only=("stream_interval",))
     g = p.add_argument_group("engine")
     for part in (

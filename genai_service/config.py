@@ -444,6 +444,31 @@ class ServerConfig:
         "/v1/models, /health) on port P, with the same tokens and TLS as the control plane",
         metavar="P",
     )
+    # What a slow or idle HTTP client may hold (docs/design.md, "HTTP gateway"):
+    # uvicorn alone closes an idle keep-alive connection but waits forever for a
+    # request's headers or body, so a client sending a byte every few seconds
+    # (or nothing) keeps a connection, and a file, for good.
+    http_header_timeout_s: float = flag(
+        10.0,
+        help="HTTP: a request's headers must arrive within S seconds of the connection "
+        "opening or of the request's first byte; then 408 and the connection closes",
+        metavar="S",
+    )
+    http_body_timeout_s: float = flag(
+        60.0,
+        help="HTTP: a request's body must arrive within S seconds of its headers (408)",
+        metavar="S",
+    )
+    http_idle_timeout_s: float = flag(
+        5.0,
+        help="HTTP: a keep-alive connection idle this long between requests is closed",
+        metavar="S",
+    )
+    http_max_connections: int = flag(
+        1000,
+        help="HTTP: connections open at once; one more is answered 503 and closed",
+        metavar="N",
+    )
     # Bearer tokens accepted on the control plane, as (token, principal); empty: no auth.
     auth_tokens: tuple[tuple[str, str], ...] = ()
     tls_cert_file: str | None = _TLS["tls_cert_file"]  # PEM; with tls_key_file, serve TLS
@@ -493,6 +518,9 @@ class ServerConfig:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
+        for name in ("http_header_timeout_s", "http_body_timeout_s", "http_idle_timeout_s"):
+            _positive(name, getattr(self, name))
+        _positive("http_max_connections", self.http_max_connections)
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file go together")
         if self.tls_client_ca_file and not self.tls_cert_file:

@@ -115,6 +115,13 @@ class Metrics:
         self.engine_restarts = Counter(
             "genai_engine_restarts", "engine process restarts", registry=r
         )
+        self.http_refused = Counter(
+            "genai_http_connections_refused",
+            "HTTP connections closed before a request: header_timeout, body_timeout, "
+            "max_connections",
+            ["reason"],
+            registry=r,
+        )
         self.engine = _EngineStats()
         r.register(self.engine)
         self.hit_rate = _HitRate()

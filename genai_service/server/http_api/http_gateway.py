@@ -29,9 +29,16 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from genai_common import bounded_json
-from genai_common.errors import GenAIError, Internal, InvalidArgument, Unavailable
+from genai_common.errors import (
+    DeadlineExceeded,
+    GenAIError,
+    Internal,
+    InvalidArgument,
+    Unavailable,
+)
 from genai_common.metadata import CONTEXT_OVERFLOW_HEADER, SESSION_ID_HEADER
 
 from ...config import ServerConfig
@@ -74,6 +81,94 @@ class _EventStream(StreamingResponse):
             await self.events.aclose()  # also when the body never started
 
 
+class BodyTimeout(DeadlineExceeded):
+    """A request body that did not all arrive within ``--http-body-timeout-s``:
+    HTTP 408 (the client was too slow, not the server), and the connection closes."""
+
+
+def _refusal(status: int, reason: str, message: str) -> bytes:
+    """A whole HTTP/1.1 response, in OpenAI's error shape, for a connection that
+    is closed before any request on it was parsed (so h11 cannot write one)."""
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    error = {"message": message, "type": kind, "param": None, "code": None}
+    body = json.dumps({"error": error}, separators=(",", ":")).encode()
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with the bounds it lacks (docs/design.md,
+    "HTTP gateway"). uvicorn closes a keep-alive connection idle between
+    requests (``timeout_keep_alive``, our ``--http-idle-timeout-s``), but waits
+    forever for a request's headers: a client that sends nothing, or one header
+    byte every few seconds, holds a connection (and a file descriptor, shared
+    with gRPC) for good. Here a request's headers must be complete within
+    ``header_timeout_s`` of the connection opening or of the request's first
+    byte (else 408, closed), and a connection beyond ``max_connections`` is
+    answered 503 and closed at once. The body's deadline is the app's
+    (``HttpGateway._body``). Set per server by ``HttpGateway``."""
+
+    header_timeout_s: float = 10.0
+    max_connections: int = 1000
+    on_refused: Any = None  # callable(reason) counting what was closed
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._header_timer: asyncio.TimerHandle | None = None
+        if len(self.connections) > self.max_connections:
+            self._refuse(
+                503,
+                "Service Unavailable",
+                f"too many HTTP connections: {self.max_connections} are open; "
+                "allowed at most that many (--http-max-connections)",
+                "max_connections",
+            )
+            return
+        self._arm_header_timer()
+
+    def _awaiting_headers(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _arm_header_timer(self) -> None:
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_deadline)
+
+    def data_received(self, data: bytes) -> None:
+        # The first byte of a request after an idle keep-alive wait starts its clock.
+        if self._header_timer is None and self._awaiting_headers():
+            self._arm_header_timer()
+        super().data_received(data)
+        if self._header_timer is not None and not self._awaiting_headers():
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+        super().connection_lost(exc)
+
+    def _header_deadline(self) -> None:
+        self._header_timer = None
+        if self._awaiting_headers() and not self.transport.is_closing():
+            self._unset_keepalive_if_required()
+            self._refuse(
+                408,
+                "Request Timeout",
+                f"request headers not complete within {self.header_timeout_s:g} s; "
+                "allowed at most that (--http-header-timeout-s)",
+                "header_timeout",
+            )
+
+    def _refuse(self, status: int, reason: str, message: str, why: str) -> None:
+        if self.on_refused is not None:
+            self.on_refused(why)
+        self.transport.write(_refusal(status, reason, message))
+        self.transport.close()
+
+
 class HttpGateway:
     """The app, and the uvicorn server that serves it on a socket bound at
     construction (as gRPC's port is), started and stopped with GenAIServer."""
@@ -110,9 +205,21 @@ class HttpGateway:
                     "ssl_ca_certs": config.tls_client_ca_file,
                     "ssl_cert_reqs": ssl.CERT_REQUIRED,
                 }
+        refused = frontend.metrics.http_refused
+        protocol = type(
+            "GuardedH11Protocol",
+            (GuardedH11Protocol,),
+            {
+                "header_timeout_s": config.http_header_timeout_s,
+                "max_connections": config.http_max_connections,
+                "on_refused": staticmethod(lambda why: refused.labels(why).inc()),
+            },
+        )
         self.server = uvicorn.Server(
             uvicorn.Config(
                 self.app,
+                http=protocol,
+                timeout_keep_alive=config.http_idle_timeout_s,  # type: ignore[arg-type]
                 log_config=None,  # structlog owns logging (genai_common.logging)
                 access_log=False,
                 lifespan="off",
@@ -162,11 +269,22 @@ class HttpGateway:
         if size is not None and size.isdigit() and int(size) > limit:
             raise InvalidArgument(f"body: {size} bytes; allowed at most {limit}")
         chunks, received = [], 0
-        async for chunk in request.stream():  # a chunked body has no Content-Length
-            received += len(chunk)
-            if received > limit:
-                raise InvalidArgument(f"body: more than {limit} bytes; allowed at most {limit}")
-            chunks.append(chunk)
+        timeout = self.config.http_body_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                async for chunk in request.stream():  # a chunked body has no Content-Length
+                    received += len(chunk)
+                    if received > limit:
+                        raise InvalidArgument(
+                            f"body: more than {limit} bytes; allowed at most {limit}"
+                        )
+                    chunks.append(chunk)
+        except TimeoutError:
+            self.fe.metrics.http_refused.labels("body_timeout").inc()
+            raise BodyTimeout(
+                f"body: {received} bytes within {timeout:g} s of the headers, not all of it; "
+                "allowed at most that (--http-body-timeout-s)"
+            ) from None
         data = b"".join(chunks)
         if not data:
             return {}
@@ -185,6 +303,8 @@ class HttpGateway:
         self.fe.metrics.observe_rpc(name, exc.code, started)
         status, body = openai_reply.error_body(exc, names)
         headers = {"www-authenticate": "Bearer"} if status == 401 else None
+        if isinstance(exc, BodyTimeout):
+            status, headers = 408, {"connection": "close"}
         return _json(body, status, headers)
 
     async def chat(self, request: Request) -> Response:
