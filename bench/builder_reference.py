@@ -182,10 +182,13 @@ def og_greedy(model_dir: Path, prompts: list[list[int]]) -> list[dict[str, Any]]
     import onnxruntime_genai as og
 
     model = og.Model(str(model_dir))
+    config = json.loads((model_dir / "genai_config.json").read_text())
+    # a sliding-window cache must hold the window, whatever the prompt
+    window = int(config["model"]["decoder"].get("sliding_window", {}).get("window_size", 0))
     results = []
     for ids in prompts:
         params = og.GeneratorParams(model)
-        params.set_search_options(do_sample=False, max_length=len(ids) + NEW_TOKENS)
+        params.set_search_options(do_sample=False, max_length=max(len(ids) + NEW_TOKENS, window))
         gen = og.Generator(model, params)
         gen.append_tokens(ids)
         logits = np.asarray(gen.get_logits(), dtype=np.float32).reshape(-1)

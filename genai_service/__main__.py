@@ -55,7 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     p.add_argument(
-        "--model", required=True, help="model directory, or 'default' (SmolLM2-135M-Instruct)"
+        "--model",
+        required=True,
+        help="model directory, or a named model: 'default' (SmolLM2-135M-Instruct) "
+        "or 'gemma3-270m' (Gemma 3 270M)",
     )
     add_flags(p, ServerConfig, only=("host", "port"))
     add_logging_flags(p, ServerConfig.log_format)
@@ -148,10 +151,10 @@ def kvstore_config(args: argparse.Namespace) -> KvStoreConfig | None:
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     model_dir = args.model
-    if model_dir == "default":
-        from .convert.default_model import resolve_model
+    from .convert.default_model import NAMED_MODELS, resolve_model
 
-        model_dir = str(resolve_model("default"))
+    if model_dir in NAMED_MODELS:
+        model_dir = str(resolve_model(model_dir))
     tokens: list[tuple[str, str]] = []
     if os.environ.get("GENAI_AUTH_TOKEN"):
         tokens.append((os.environ["GENAI_AUTH_TOKEN"], "default"))

@@ -1,6 +1,7 @@
 """``genai-convert GGUF_FILE OUT_DIR [--weights fp32|int8|int4]``: GGUF → model directory.
 
-``GGUF_FILE`` may be ``default`` for the packaged SmolLM2-135M-Instruct GGUF.
+``GGUF_FILE`` may be a named model: ``default`` (the packaged SmolLM2-135M-Instruct
+GGUF) or ``gemma3-270m`` (Gemma 3 270M, Q4_K_M).
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from collections.abc import Sequence
 
 from genai_service.convert.convert import ConvertOptions, convert
 from genai_service.convert.default_model import (
-    DEFAULT_SPEC,
+    NAMED_MODELS,
     DefaultModelUnavailable,
-    default_gguf,
+    named_gguf,
 )
 from genai_service.convert.gguf_model import UnsupportedTensorType
 from genai_service.convert.weights import DEFAULT_WEIGHTS, WEIGHT_FORMATS
@@ -22,13 +23,13 @@ from genai_service.convert.weights import DEFAULT_WEIGHTS, WEIGHT_FORMATS
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="genai-convert",
-        description="Convert a Llama-family GGUF file into an ONNX Runtime model directory "
-        "(model.onnx, tokenizer.json, tokenizer_config.json, genai_config.json).",
+        description="Convert a GGUF file (Llama, Qwen2/3, Gemma 3) into an ONNX Runtime model "
+        "directory (model.onnx, tokenizer.json, tokenizer_config.json, genai_config.json).",
     )
     parser.add_argument(
         "gguf",
         metavar="GGUF_FILE",
-        help=f"the GGUF file, or {DEFAULT_SPEC!r} for the packaged model",
+        help=f"the GGUF file, or a named model: {', '.join(NAMED_MODELS)}",
     )
     parser.add_argument("out_dir", metavar="OUT_DIR", help="output directory (new or empty)")
     parser.add_argument(
@@ -56,7 +57,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        source = default_gguf().path if args.gguf == DEFAULT_SPEC else args.gguf
+        source = named_gguf(args.gguf).path if args.gguf in NAMED_MODELS else args.gguf
         options = ConvertOptions(
             weights=args.weights, all_logits=args.all_logits, accuracy_level=args.accuracy_level
         )

