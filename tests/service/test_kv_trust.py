@@ -144,6 +144,36 @@ def test_a_forged_chunk_is_replaced_by_the_next_push(
     second.close()
 
 
+def test_a_forged_chain_heals_in_one_recompute(
+    tiny_model_dir: Path, kvstore: KvStoreProcess
+) -> None:
+    """Every chunk of a prompt forged under its real key (issue 31: each later
+    process used to replace only the first chunk that failed, so N forged
+    chunks cost N recomputes in N processes): the first engine's pushes replace
+    the whole run, and the next engine reuses all of it."""
+    secret = b"chain-heal-" + SECRET_A
+    prompt = PROMPT * 4  # 20 chunks of 4 tokens
+    cold = reference_greedy(tiny_model_dir, prompt, 6)
+    first = engine(tiny_model_dir, kvstore.target, secret=secret)
+    keys = chunk_keys(first.namespace, prompt, CHUNK)
+    assert len(keys) >= 16  # the issue's 16 forged chunks, and more
+    forger = KvIntegrity.generate()
+    with KvStoreClient(kvstore.target, auth_token=DATA_PLANE_TOKEN) as raw:
+        for i, key in enumerate(keys):
+            raw.put(key, forger.seal(key, forged_chunk(first, 50 + i)), replace=True)
+    r1 = first.generate(greedy("first", prompt))
+    assert list(r1.token_ids) == cold and r1.usage.cached_tokens == 0
+    assert first.stats()["kvstore_mac_failures"] == 1  # the chain stops at its first
+    first.close()  # its pushes have gone out
+
+    second = engine(tiny_model_dir, kvstore.target, secret=secret)
+    r2 = second.generate(greedy("second", prompt))
+    assert list(r2.token_ids) == cold
+    assert r2.usage.cached_tokens == reusable(len(prompt))
+    assert second.stats()["kvstore_mac_failures"] == 0
+    second.close()
+
+
 def test_a_rewritten_session_record_is_not_a_takeover(
     tiny_model_dir: Path, kvstore: KvStoreProcess
 ) -> None:

@@ -340,7 +340,7 @@ class GrpcKvChunkStore(_CountingStore):
         tasks = [asyncio.ensure_future(get(key)) for key in keys]
         first: KvHeader | None = None
         try:
-            for key, task in zip(keys, tasks, strict=True):
+            for i, (key, task) in enumerate(zip(keys, tasks, strict=True)):
                 try:
                     blob = await task
                 except Exception as exc:  # RPC error, short or oversized blob, bad key
@@ -353,6 +353,12 @@ class GrpcKvChunkStore(_CountingStore):
                     self._cpu, self._check_chunk, key, blob, first
                 )
                 if checked is None:
+                    # Whoever wrote this chunk may have written the rest of the
+                    # run too, and this engine recomputes all of it anyway: its
+                    # pushes replace the whole run, so a forged chain heals in
+                    # one recompute, not one chunk per process.
+                    for rest in keys[i + 1 :]:
+                        self._unusable(rest)
                     return
                 first = first or checked[0]
                 out.append(checked[1])
