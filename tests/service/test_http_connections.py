@@ -130,11 +130,15 @@ def test_a_body_that_stalls_is_408_and_others_are_served_meanwhile(server: Serve
 
 
 def test_an_idle_keep_alive_connection_is_closed(server: ServerThread) -> None:
-    with connect(server) as s:
-        s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
-        first = s.recv(65536)
-        assert first.startswith(b"HTTP/1.1 200")
-        data, took = read_until_closed(s)
+    conn = http.client.HTTPConnection("127.0.0.1", port(server), timeout=10)
+    try:
+        conn.request("GET", "/health")
+        response = conn.getresponse()
+        assert response.status == 200 and response.read() == b'{"status":"ok"}'
+        assert conn.sock is not None  # kept alive
+        data, took = read_until_closed(conn.sock)
+    finally:
+        conn.close()
     assert data == b"" and took < IDLE_S + 5
 
 

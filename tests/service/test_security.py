@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from genai_client import (
 )
 from genai_proto.genai.v1 import session_pb2
 from genai_service.config import EngineConfig
-from tests.server_harness import ServerThread, secure_config
+from tests.server_harness import ServerThread, free_port, secure_config
 
 pytestmark = pytest.mark.e2e
 
@@ -116,3 +118,23 @@ def test_mtls_requires_a_client_certificate(server: ServerThread, pki: Path) -> 
         pytest.raises(UnavailableError),
     ):
         c.generate("hello", max_new_tokens=2, timeout=5)
+
+
+@pytest.mark.parametrize("binary", ["genai_service", "kvstore"])
+def test_a_key_that_is_not_the_certificates_says_so(
+    binary: str, tiny_model_dir: Path, pki: Path
+) -> None:
+    """Issue 31: a TLS key that does not match its certificate made both servers
+    exit saying "Failed to bind to address"; now they name the two files."""
+    args = [sys.executable, "-m", binary, "--port", str(free_port())]
+    args += ["--tls-cert-file", str(pki / "server.pem"), "--tls-key-file", str(pki / "client.key")]
+    if binary == "genai_service":
+        args += ["--model", str(tiny_model_dir)]
+    else:
+        args += ["--insecure"]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    out = run.stdout + run.stderr
+    assert run.returncode != 0
+    assert "Failed to bind" not in out
+    assert f"tls_key_file {pki / 'client.key'} is not the private key of the certificate" in out
+    assert str(pki / "server.pem") in out
