@@ -88,6 +88,4 @@ def check_ca_file(ca_file: str, name: str) -> None:
     try:
         ssl.create_default_context(cafile=ca_file)
     except ssl.SSLError as exc:
-        raise ValueError(
-            f"{name} {ca_file}: not a PEM certificate ({exc.reason or exc})"
-        ) from None
+        raise ValueError(f"{name} {ca_file}: not a PEM certificate ({exc.reason or exc})") from None

@@ -43,6 +43,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisClusterException, RedisError
 from redis.retry import Retry
 
+from genai_common.errors import Unavailable
 from genai_common.flags import flag, parse_bytes
 from kvstore.checksum import DIGEST_SIZES, verify_checksum
 from kvstore.memory_tier import StoredBlob
@@ -334,12 +335,15 @@ class RedisTier:
     # Get ------------------------------------------------------------------
 
     async def get(self, key: bytes) -> RedisBlob | None:
-        """The verified blob, or None (a miss: absent, evicted, corrupt or failed)."""
+        """The verified blob, or None (a miss: absent, evicted or corrupt);
+        ``Unavailable`` when Redis did not answer, so that a reader can tell
+        "not stored" from "cannot tell now" (a session record: UNAVAILABLE to
+        the client, not NOT_FOUND; a chunk: a miss either way)."""
         name = self.name(key)
         ok, head = await self._bounded("get", lambda: self._client.get(name))
         if not ok:
             self._misses += 1
-            return None
+            raise Unavailable(f"key {key.hex()}: Redis did not answer; retry shortly")
         if not isinstance(head, bytes):  # None: absent (values are bytes: no decoding)
             self._misses += 1
             return None
@@ -351,7 +355,7 @@ class RedisTier:
             return None
         except _PartsFailed:
             self._misses += 1
-            return None
+            raise Unavailable(f"key {key.hex()}: Redis did not answer; retry shortly") from None
         if data is None:
             await self._drop(name, head, "parts evicted", corrupt=False)
             return None

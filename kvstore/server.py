@@ -114,8 +114,9 @@ def _check_key(key: bytes, field: str = "key") -> None:
 
 async def _abort_for(exc: BaseException, rpc: str, context: grpc.aio.ServicerContext) -> None:
     if isinstance(exc, GenAIError):
-        # Misses are routine on a cache; refusals that point at a bug are not.
-        level = logging.DEBUG if exc.code == "NOT_FOUND" else logging.WARNING
+        # Misses are routine on a cache, and a Redis outage is logged by the
+        # Redis tier (rate-limited); refusals that point at a bug are not.
+        level = logging.DEBUG if exc.code in ("NOT_FOUND", "UNAVAILABLE") else logging.WARNING
         log.log(level, "kvstore rpc refused", rpc=rpc, code=exc.code, reason=exc.message)
         await abort(context, exc)
     log.exception("kvstore rpc failed", rpc=rpc)

@@ -94,6 +94,15 @@ def _client(server: RunningServer) -> AsyncKvStoreClient:
     )
 
 
+async def _read(client: AsyncKvStoreClient, key: bytes) -> bytes | str | None:
+    """The blob, None when the store answered it has none, or the status code's
+    name when it could not say (Redis down: UNAVAILABLE)."""
+    try:
+        return await client.get(key)
+    except grpc.aio.AioRpcError as exc:
+        return exc.code().name
+
+
 # --- configuration ---------------------------------------------------------------------------
 
 
@@ -251,7 +260,7 @@ def test_genai_kvstore_serves_from_redis_given_the_flag(redis_node: RedisNode) -
 
 
 @pytest.mark.asyncio
-async def test_a_dead_redis_is_a_miss_and_a_counted_error(
+async def test_a_dead_redis_is_unavailable_for_what_only_it_holds_and_a_counted_error(
     redis_node: RedisNode, start_kv: StartKv
 ) -> None:
     a = await start_kv(redis_node.url)
@@ -261,14 +270,17 @@ async def test_a_dead_redis_is_a_miss_and_a_counted_error(
         started = time.monotonic()
         assert (await client.put(_key(2), b"also kept")).stored_in_memory  # no failed RPC
         assert await client.get(_key(1)) == b"kept locally"  # the memory tier still serves
-        assert await client.get(_key(3)) is None
+        # Not held locally, and Redis cannot say: UNAVAILABLE, not NOT_FOUND, so a
+        # session record is "retry", never "no such session" (the engine takes
+        # a chunk as a miss either way).
+        assert await _read(client, _key(3)) == "UNAVAILABLE"
         assert await client.lookup([_key(1), _key(2), _key(3)]) == 2
         # A record replacement Redis did not take fails, and is kept nowhere
         # (a local copy would later be served over newer ones in Redis).
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await client.put(_key(4), b"record v2", replace=True)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert await client.get(_key(4)) is None
+        assert await _read(client, _key(4)) == "UNAVAILABLE"
         assert time.monotonic() - started < 3.0
         stats = (await client.stats()).redis
         assert stats is not None and stats.errors >= 3
@@ -311,7 +323,7 @@ async def test_cluster_spreads_chunks_and_looks_up_in_one_round_trip_per_shard(
 
 
 @pytest.mark.asyncio
-async def test_killing_a_shard_then_the_cluster_turns_reads_into_misses(
+async def test_killing_a_shard_then_the_cluster_makes_its_keys_unavailable(
     redis_cluster: RedisClusterNodes, start_kv: StartKv
 ) -> None:
     a = await start_kv(redis_cluster.url)
@@ -330,7 +342,7 @@ async def test_killing_a_shard_then_the_cluster_turns_reads_into_misses(
         started = time.monotonic()
         for i, key in enumerate(chain):
             on_dead = f"genai:kv:{key.hex()}" in dead_names
-            assert await client_b.get(key) == (None if on_dead else _blob(500, i)), i
+            assert await _read(client_b, key) == ("UNAVAILABLE" if on_dead else _blob(500, i)), i
         first_dead = next(i for i, k in enumerate(chain) if f"genai:kv:{k.hex()}" in dead_names)
         fresh = [_key(1000 + i) for i in range(30)]
         for key in fresh:
@@ -347,7 +359,7 @@ async def test_killing_a_shard_then_the_cluster_turns_reads_into_misses(
 
             redis_cluster.stop()  # the whole cluster
             for key in chain + fresh:
-                assert await client_c.get(key) is None
+                assert await _read(client_c, key) == "UNAVAILABLE"
             assert await client_c.lookup(chain) == 0
             assert (await client_c.put(_key(5000), b"x")).stored_in_memory
             assert await client_c.get(_key(5000)) == b"x"

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from genai_common.errors import NotFound
+from genai_common.errors import NotFound, Unavailable
 from genai_service.engine.kv.kv_connector_memory import MemoryKvChunkStore
 from genai_service.engine.sessions import restores
 from genai_service.engine.sessions.restores import PendingCall, SessionCalls
@@ -176,3 +176,26 @@ def test_a_session_closed_on_another_replica_is_not_found(store: MemoryKvChunkSt
     fresh = Replica(store)  # nor does a replica that never held it restore it
     with pytest.raises(NotFound):
         fresh.get(sid)
+
+
+def test_a_session_this_replica_does_not_hold_is_unavailable_while_the_store_is_down(
+    store: MemoryKvChunkStore,
+) -> None:
+    """Issue 31: during a kvstore (or Redis) outage a replica that does not
+    hold the session answered NOT_FOUND, which a client takes for the end of
+    the conversation; it is UNAVAILABLE (retry), and the session is found again
+    once the store answers. An id that was never handed out stays NOT_FOUND."""
+    a, b = Replica(store), Replica(store)
+    sid = a.calls.create(None, "", None).session_id
+    a.turn(sid, [1, 2])
+    store.fail = True
+    with pytest.raises(Unavailable) as err:
+        b.get(sid)
+    assert err.value.message.startswith("session_id: ") and "retry" in err.value.message
+    assert b.calls.restores is not None
+    assert b.calls.restores.counters["session_record_fetches_unanswered"] == 1
+    assert a.get(sid).history_tokens == 2  # a copy in memory is used as it is
+    store.fail = False
+    assert b.get(sid).history_tokens == 2
+    with pytest.raises(NotFound):
+        b.get("not-a-session-id")

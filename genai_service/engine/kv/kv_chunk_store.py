@@ -24,6 +24,7 @@ import grpc
 import numpy as np
 import structlog
 
+from genai_common.errors import Unavailable
 from kvstore.checksum import ChecksumError
 
 from .kv_codec import BlobError, KvHeader, pack_kv, unpack_kv
@@ -76,6 +77,16 @@ def _resolve(future: Future[Any], result: Any) -> None:
         future.set_result(result)
 
 
+def _fail(future: Future[Any], error: BaseException) -> None:
+    """Set ``future``'s exception unless it is already done."""
+    with contextlib.suppress(InvalidStateError):
+        future.set_exception(error)
+
+
+class RecordUnreachable(Unavailable):
+    """A session record fetch the store did not answer (``fetch_record``)."""
+
+
 class KvChunkStore(ABC):
     """Seam (STYLE rule 4): where complete KV chunks live outside the process.
 
@@ -115,9 +126,12 @@ class KvChunkStore(ABC):
     def fetch_record(self, key: bytes, timeout_s: float) -> Future[bytes | None]:
         """Fetch the record under ``key`` in the background; returns at once.
 
-        The future resolves (never raises) within ``timeout_s`` with the
-        record, or None on a miss or any failure. Sees this process's own
-        pending ``put_record``/``delete_record`` calls (read-your-writes).
+        The future resolves within ``timeout_s`` with the record, or None
+        when the store answered that it has none (or one that fails its
+        check); when the store did not answer (an error, a timeout, Redis
+        behind it down) it raises ``RecordUnreachable`` instead, so a caller
+        can tell "no such record" from "cannot tell now". Sees this process's
+        own pending ``put_record``/``delete_record`` calls (read-your-writes).
         """
 
     # When a record fetch last failed (time.monotonic()); never: -inf.
@@ -128,7 +142,7 @@ class KvChunkStore(ABC):
         (never call it from the engine loop)."""
         try:
             return self.fetch_record(key, timeout_s).result(timeout_s + _CLOSE_TIMEOUT_S)
-        except TimeoutError:  # the connector's loop is wedged: a miss like any other
+        except (TimeoutError, RecordUnreachable):  # wedged or unanswered: a miss here
             return None
 
     @abstractmethod

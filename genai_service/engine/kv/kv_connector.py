@@ -38,7 +38,9 @@ from kvstore.client import AsyncKvStoreClient
 
 from .kv_chunk_store import (
     _CLOSE_TIMEOUT_S,
+    RecordUnreachable,
     _CountingStore,
+    _fail,
     _key_label,
     _resolve,
 )
@@ -315,18 +317,23 @@ class GrpcKvChunkStore(_CountingStore):
         self, key: bytes, timeout_s: float, future: Future[bytes | None]
     ) -> None:
         data: bytes | None = None
+        unreachable: RecordUnreachable | None = None
         try:
             async with asyncio.timeout(timeout_s):
                 data = await self._get_record(key, timeout_s)
         except IntegrityError as exc:  # not sealed by us: a miss, the store answered
             self._failed("record get", exc, key)
-        except Exception as exc:  # TimeoutError, AioRpcError, a bad blob: a miss
+        except Exception as exc:  # TimeoutError, AioRpcError (UNAVAILABLE: Redis down)
             self.record_failed_at = time.monotonic()  # the store did not answer
             self._failed("record get", exc, key)
+            unreachable = RecordUnreachable(f"the kvstore did not answer ({type(exc).__name__})")
         finally:
             with self._lock:
                 self._record_fetches.discard(future)
-            _resolve(future, data)
+            if unreachable is not None:
+                _fail(future, unreachable)
+            else:
+                _resolve(future, data)
 
     async def _fetch(self, keys: list[bytes], deadline: float, out: list[KvLayers]) -> None:
         """Get ``keys`` concurrently, check them in order, stop at the first failure."""

@@ -13,12 +13,23 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from .kv_chunk_store import _CountingStore, _resolve
+from .kv_chunk_store import RecordUnreachable, _CountingStore, _fail, _resolve
 from .kv_codec import KvHeader
 from .kv_integrity import IntegrityError, KvIntegrity
 from .prefix_cache import KvLayers
 
 T = TypeVar("T")
+
+
+def _settle(future: Future[T], compute: Callable[[], T]) -> None:
+    """``future`` resolved with ``compute()``, or failed with the
+    ``RecordUnreachable`` it raised (as the gRPC connector's record fetch)."""
+    try:
+        value = compute()
+    except RecordUnreachable as exc:
+        _fail(future, exc)
+    else:
+        _resolve(future, value)
 
 
 class MemoryKvChunkStore(_CountingStore):
@@ -78,13 +89,13 @@ class MemoryKvChunkStore(_CountingStore):
         if self._closed:
             future.set_result(closed)
         elif delay_s <= 0:
-            future.set_result(compute())
+            _settle(future, compute)
         else:
 
             def fire() -> None:
                 with self._lock:
                     self._timers.pop(future, None)
-                _resolve(future, compute())
+                _settle(future, compute)
 
             timer = threading.Timer(delay_s, fire)
             timer.daemon = True
@@ -129,7 +140,7 @@ class MemoryKvChunkStore(_CountingStore):
                 error = ConnectionError("failure injected") if self.fail else TimeoutError()
                 self.record_failed_at = time.monotonic()
                 self._failed("record get", error, key)
-                return None
+                raise RecordUnreachable(f"the kvstore did not answer ({type(error).__name__})")
             with self._lock:
                 sealed = self.blobs.get(key)
             try:

@@ -26,11 +26,17 @@ from typing import Any, Generic, TypeVar
 
 import structlog
 
-from genai_common.errors import GenAIError, Internal, PermissionDenied, ResourceExhausted
+from genai_common.errors import (
+    GenAIError,
+    Internal,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+)
 
 from ...contract.request import FinishReason, GenerationRequest, RequestOutput, Usage
 from ...contract.sessions import SessionInfo, SessionPage
-from ..kv.kv_chunk_store import KvChunkStore
+from ..kv.kv_chunk_store import KvChunkStore, RecordUnreachable
 from .sessions import (
     Session,
     SessionTable,
@@ -185,11 +191,25 @@ class SessionRestores:
         done = [sid for sid, (future, _) in self._fetches.items() if future.done()]
         for session_id in done:
             future, waiters = self._fetches.pop(session_id)
-            data = future.result()
+            error: GenAIError | None = None
+            try:
+                data = future.result()
+            except RecordUnreachable as exc:
+                data = None
+                if self.table.find(session_id) is None:
+                    # Not held here and the store cannot say whether it exists
+                    # (the kvstore, or Redis behind it, is down): UNAVAILABLE,
+                    # which a client retries, rather than NOT_FOUND, which it
+                    # takes for the end of the conversation. A copy in memory
+                    # is used as it is (see ``with_session``).
+                    self.counters["session_record_fetches_unanswered"] += 1
+                    error = Unavailable(
+                        f"session_id: session {session_id!r} is not held by this replica and "
+                        f"its record could not be read ({exc.message}); retry shortly"
+                    )
             session = None
             if data is not None:
                 session = session_from_record(session_id, data, self.vocab_size)
-            error: GenAIError | None = None
             if session is not None:
                 try:
                     if self.table.adopt(session) is session:
