@@ -14,6 +14,7 @@ from grpc_health.v1._async import HealthServicer
 
 from genai_common.credentials import server_credentials
 from genai_common.decoding import TolerantDecoding
+from genai_common.errors import Unavailable
 from genai_common.reflection import enable_reflection
 from genai_proto.genai.v1 import (
     generate_pb2,
@@ -179,14 +180,27 @@ class GenAIServer:
         # GOAWAY, refuses everything (health included) and gives what still
         # runs the rest of the grace period; whatever runs after that is
         # cancelled (its engine requests aborted).
-        await self.frontend.drained(grace)
+        # The grace period's last tenth (at most 1 s, at least 0.2 s) ends what
+        # still runs with UNAVAILABLE, after the tokens it has streamed, rather
+        # than letting gRPC's stop cut it (CANCELLED over gRPC, a stream that
+        # just stops over HTTP), so a client knows to retry (on another replica).
+        final_s = max(0.2, min(1.0, grace / 10))
+        if not await self.frontend.drained(max(0.0, grace - final_s)):
+            cut = self.engine.fail_inflight(
+                Unavailable(
+                    f"the server is shutting down and its grace period ({grace:g} s, "
+                    "--grace-period-s) ended before this request finished; retry it"
+                )
+            )
+            log.warning("grace_period_expired", requests_ended=cut)
+            await self.frontend.drained(final_s)
         left = max(0.0, deadline - time.monotonic())
         if self.http is not None:
             await asyncio.gather(self.server.stop(left), self.http.stop(left))
         else:
             await self.server.stop(left)
         if self.frontend.inflight:
-            log.warning("grace_period_expired", inflight=self.frontend.inflight)
+            log.warning("stopped_with_calls_running", inflight=self.frontend.inflight)
         await asyncio.gather(self.engine.stop(), self.checker.close())
         self._stopped.set()
         log.info("stopped")

@@ -381,6 +381,18 @@ class EngineProcess:
                 with contextlib.suppress(GenAIError):
                     self._send(AbortRequest(engine_id))
 
+    def fail_inflight(self, error: GenAIError) -> int:
+        """End every request in flight with ``error`` (its consumer gets what
+        was already queued for it first, then raises it) and abort it in the
+        engine; how many there were. For the end of a drain, so that a stream
+        cut at the grace period ends with a status that says so."""
+        queues, self._queues = self._queues, {}
+        for engine_id, queue in queues.items():
+            queue.put_nowait(RequestOutput(engine_id, finished=True, error=error))
+            with contextlib.suppress(GenAIError):
+                self._send(AbortRequest(engine_id))
+        return len(queues)
+
     def abort(self, request_id: str, principal: str = "") -> None:
         """Abort ``principal``'s request ``request_id`` (nothing if it has none)."""
         engine_id = self._engine_ids.get((principal, request_id))

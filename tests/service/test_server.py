@@ -479,6 +479,35 @@ def test_graceful_shutdown_lets_streams_finish(long_context_model_dir: Path) -> 
     srv.thread.join(10)
 
 
+def test_a_stream_cut_at_the_grace_period_ends_unavailable_saying_so(
+    long_context_model_dir: Path,
+) -> None:
+    """Issue 31: a stream still running when the grace period ends was cut
+    with no final message (CANCELLED by gRPC's stop); it ends UNAVAILABLE,
+    after the tokens it streamed, with a message a client can act on."""
+    srv = ServerThread(
+        ServerConfig(engine=engine_config(long_context_model_dir), port=free_port())
+    ).start()
+    with srv.channel() as ch:
+        stub = generate_pb2_grpc.GenerateServiceStub(ch)
+        stream = stub.GenerateStream(gen_request("the cat", 4000), timeout=60)
+        tokens = len(next(stream).delta.token_ids)
+        assert srv.server is not None
+        import asyncio
+
+        stopping = asyncio.run_coroutine_threadsafe(srv.server.stop(0), srv.loop)
+        with pytest.raises(grpc.RpcError) as err:
+            for event in stream:
+                assert event.WhichOneof("event") == "delta"
+                tokens += len(event.delta.token_ids)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "grace period (0 s, --grace-period-s) ended" in err.value.details()
+        assert 0 < tokens < 4000
+        stopping.result(30)
+    srv.loop.call_soon_threadsafe(srv.loop.stop)
+    srv.thread.join(10)
+
+
 def test_json_form_of_the_final_response(channel: grpc.Channel) -> None:
     stub = generate_pb2_grpc.GenerateServiceStub(channel)
     r = stub.Generate(gen_request("hello", 3, request_id="fixed-id"))
