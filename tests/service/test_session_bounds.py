@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from genai_client.errors import from_rpc_error
 from genai_proto.genai.v1 import (
     generate_pb2,
     generate_pb2_grpc,
@@ -103,6 +104,8 @@ def test_oversized_metadata_is_invalid_argument(
 ) -> None:
     err = rpc_error(sessions.CreateSession, session_pb2.CreateSessionRequest(metadata=metadata))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.details()
+    # The google.rpc.BadRequest names the field (it was empty for the value limit).
+    assert [v.field for v in from_rpc_error(err).field_violations] == ["metadata"]
     assert list_all(sessions) == []  # nothing was created
     ok = sessions.CreateSession(session_pb2.CreateSessionRequest(metadata={"user": "ada"}))
     assert dict(ok.session.metadata) == {"user": "ada"}
