@@ -244,6 +244,25 @@ OK = frozenset({"OK"})
 CUT = frozenset({"OK", "CANCELLED", "DEADLINE_EXCEEDED"})
 
 
+def _ref_chain(links: int) -> dict[str, Any]:
+    """A JSON Schema whose $refs chain ``links`` deep (950 overflowed the engine's stack)."""
+    defs: dict[str, Any] = {
+        f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}}
+        for i in range(links)
+    }
+    defs[f"d{links}"] = {"type": "string"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+_REF_CHAIN_950 = _ref_chain(950)
+# A tool schema of 3,000 chained $refs (it killed the frontend itself).
+_REF_CHAIN_TOOL = {"name": "chained", "description": "", "parameters": _ref_chain(3000)}
+# One rule more than a grammar may have.
+_RULE_CHAIN_10001 = (
+    "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(10_000)) + 'r10000: "x"\n'
+)
+
+
 class Worker:
     """One thread's client and random stream of actions."""
 
@@ -465,6 +484,16 @@ class Worker:
             ),
             ("NOT_FOUND", "GetSession", lambda: self.client.get_session(unknown)),
             ("NOT_FOUND", "Generate", lambda: generate(token_ids=ids, session_id=unknown)),
+            # Issue 31's hostile shapes: each crashed a process, pinned memory
+            # or answered INTERNAL; each is INVALID_ARGUMENT before any token.
+            ("INVALID_ARGUMENT", "Generate", lambda: generate("x", json_schema=_REF_CHAIN_950)),
+            ("INVALID_ARGUMENT", "Generate", lambda: generate("x", grammar=_RULE_CHAIN_10001)),
+            ("INVALID_ARGUMENT", "Generate", lambda: generate("x", regex="a(a{1000}){1000}(zN)?")),
+            (
+                "INVALID_ARGUMENT",
+                "Generate",
+                lambda: generate(messages=[("user", "x")], tools=[_REF_CHAIN_TOOL]),
+            ),
         ]
         want, rpc, fn = self.rng.choice(bad)
         self._timed("invalid", rpc, frozenset({want}), fn)
