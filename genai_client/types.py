@@ -166,7 +166,7 @@ class KvLayout:
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """The served model. ``runner_kind`` is "PAST_PRESENT" or "SHARED_BUFFER"."""
+    """The served model. ``runner_kind`` is "PAST_PRESENT", "SHARED_BUFFER" or "STATIC_CACHE"."""
 
     model_id: str
     context_length: int

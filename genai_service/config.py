@@ -22,7 +22,7 @@ def _positive(name: str, value: int | float) -> None:
         raise ValueError(f"{name} must be > 0, got {value}")
 
 
-RUNNERS = ("auto", "past_present", "shared_buffer")
+RUNNERS = ("auto", "past_present", "shared_buffer", "static_cache")
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,7 @@ class RunnerConfig:
         if self.intra_op_threads < 0:
             raise ValueError(f"intra_op_threads must be >= 0, got {self.intra_op_threads}")
         if self.runner not in RUNNERS:
-            raise ValueError(
-                f"runner must be one of auto, past_present, shared_buffer; got {self.runner!r}"
-            )
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {self.runner!r}")
 
 
 @dataclass(frozen=True)

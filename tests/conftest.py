@@ -32,6 +32,14 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def static_cache_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default tiny model's weights (so tiny_model_dir's tokens) behind
+    onnx-genai's static-cache I/O (TensorScatter + Attention-24, Mobius's export)."""
+    spec = TinyModelSpec(attention="static_cache", config="inference_metadata")
+    return build_tiny_model(tmp_path_factory.mktemp("static-cache"), spec)
+
+
+@pytest.fixture(scope="session")
 def bytes_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The "bytes" tokenizer (one token per byte, which llguidance can read), 2,048
     positions (a tool preamble alone is ~700 bytes); plain attention and GQA

@@ -109,7 +109,9 @@ class TinyModelSpec:
     head_dim: int = 8  # hidden == num_heads * head_dim
     max_seq_len: int = 128  # context length in the config; size of the position tables
     positions: str = "rope"  # "rope" | "learned"
-    attention: str = "standard"  # "standard" (plain ONNX ops) | "gqa" (com.microsoft)
+    # "standard" (plain ONNX ops) | "gqa" (com.microsoft) | "static_cache" (onnx-genai's
+    # static-cache ABI, as Mobius --static-cache exports it: TensorScatter + Attention-24)
+    attention: str = "standard"
     config: str = "genai_config"  # "genai_config" | "inference_metadata" | "none"
     seed: int = 0
     weight_scale: float = 0.3  # std of projection weights; large enough for varied greedy text
@@ -138,8 +140,14 @@ class TinyModelSpec:
             raise ValueError(f"head_dim={self.head_dim} must be even (RoPE)")
         if self.positions not in ("rope", "learned"):
             raise ValueError(f"positions={self.positions!r}, allowed: 'rope', 'learned'")
-        if self.attention not in ("standard", "gqa"):
-            raise ValueError(f"attention={self.attention!r}, allowed: 'standard', 'gqa'")
+        if self.attention not in ("standard", "gqa", "static_cache"):
+            raise ValueError(
+                f"attention={self.attention!r}, allowed: 'standard', 'gqa', 'static_cache'"
+            )
+        if self.attention == "static_cache" and (
+            self.positions != "rope" or self.config != "inference_metadata"
+        ):
+            raise ValueError("attention='static_cache' needs rope and inference_metadata")
         if self.config not in ("genai_config", "inference_metadata", "none"):
             raise ValueError(
                 f"config={self.config!r}, allowed: 'genai_config', 'inference_metadata', 'none'"
@@ -288,9 +296,13 @@ class _Graph:
         return self.init(name, np.array(value, dtype=np.float32))
 
 
-def _rms_norm(g: _Graph, x: str, weight: str) -> str:
+def _rms_norm(g: _Graph, x: str, weight: str, axes: str | None = None) -> str:
+    """``axes``: the name of a [-1] constant, for opset 18+ (ReduceMean takes axes as an input)."""
     sq = g.one("Mul", [x, x])
-    mean = g.one("ReduceMean", [sq], axes=[-1], keepdims=1)
+    if axes is None:
+        mean = g.one("ReduceMean", [sq], axes=[-1], keepdims=1)
+    else:
+        mean = g.one("ReduceMean", [sq, axes], keepdims=1)
     inv = g.one("Reciprocal", [g.one("Sqrt", [g.one("Add", [mean, "c_eps"])])])
     return g.one("Mul", [g.one("Mul", [x, inv]), weight])
 
@@ -451,6 +463,95 @@ def _build_graph(spec: TinyModelSpec) -> onnx.ModelProto:
     return model
 
 
+def _build_static_cache_graph(spec: TinyModelSpec) -> onnx.ModelProto:
+    """The same decoder (same weights, so the same logits as the other variants)
+    with onnx-genai's static-cache I/O, built the way Mobius's ``--static-cache``
+    export is: per layer ``key_cache.{i}``/``value_cache.{i}`` ``[batch, max_len,
+    kv_hidden]`` inputs, into which two ``TensorScatter`` (opset 24) write the new
+    keys and values at ``write_indices [batch]`` (outputs
+    ``updated_key_cache.{i}``/``updated_value_cache.{i}``), then the ONNX
+    ``Attention`` op (opset 24) over the whole buffer with ``is_causal=1`` and
+    ``nonpad_kv_seqlen [batch]``, the valid length after the write. Positions
+    are ``write_indices + 0..S-1``; logits ``[batch, S, vocab]``."""
+    w = _weights(spec)
+    g = _Graph()
+    for name in sorted({k for k in w if k.startswith("l")} | {"embed", "final_norm", "lm_head"}):
+        g.init(name, w[name])
+    g.init("cos_cache", w["cos_cache"])
+    g.init("sin_cache", w["sin_cache"])
+    g.const_f32("c_eps", RMS_EPS)
+    g.const_i64("c_zero", 0)
+    g.const_i64("c_one", 1)
+    g.const_i64("c_axis1", [1])
+    g.const_i64("c_last", [-1])
+    g.const_i64("c_shape_q", [0, 0, spec.num_heads, spec.head_dim])
+    g.const_i64("c_shape_kv", [0, 0, spec.num_kv_heads, spec.head_dim])
+    g.const_i64("c_shape_q3", [0, 0, spec.num_heads * spec.head_dim])
+    g.const_i64("c_shape_kv3", [0, 0, spec.num_kv_heads * spec.head_dim])
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    vi = helper.make_tensor_value_info
+    b, s, cap = "batch_size", "sequence_length", "max_cache_len"
+    kv_hidden = spec.num_kv_heads * spec.head_dim
+    inputs = [
+        vi("input_ids", i64, [b, s]),
+        vi("write_indices", i64, [b]),
+        vi("nonpad_kv_seqlen", i64, [b]),
+    ]
+    outputs = [vi("logits", f32, [b, s, spec.vocab_size])]
+    for i in range(spec.num_layers):
+        for kind in ("key", "value"):
+            inputs.append(vi(f"{kind}_cache.{i}", f32, [b, cap, kv_hidden]))
+            outputs.append(vi(f"updated_{kind}_cache.{i}", f32, [b, cap, kv_hidden]))
+
+    # positions [B, S] = write_indices[:, None] + arange(S)
+    n = g.one("Gather", [g.one("Shape", ["input_ids"]), "c_one"], axis=0)
+    steps = g.one("Range", ["c_zero", n, "c_one"])
+    positions = g.one("Add", [g.one("Unsqueeze", ["write_indices", "c_axis1"]), steps])
+    c = g.one("Gather", ["cos_cache", positions], axis=0)  # [B, S, d/2]
+    sn = g.one("Gather", ["sin_cache", positions], axis=0)
+    cos = g.one("Unsqueeze", [g.one("Concat", [c, c], axis=-1), g.const_i64("c_axis2", [2])])
+    sin = g.one("Unsqueeze", [g.one("Concat", [sn, sn], axis=-1), "c_axis2"])  # [B, S, 1, d]
+
+    def rope_3d(t: str, heads: str, flat: str) -> str:
+        """RoPE on [B, S, n*d] in [B, S, n, d] form, back to [B, S, n*d]."""
+        t4 = g.one("Reshape", [t, heads])
+        x1, x2 = g.op("Split", [t4], n_out=2, axis=-1, num_outputs=2)
+        rot = g.one("Concat", [g.one("Neg", [x2]), x1], axis=-1)
+        t4 = g.one("Add", [g.one("Mul", [t4, cos]), g.one("Mul", [rot, sin])])
+        return g.one("Reshape", [t4, flat])
+
+    x = g.one("Gather", ["embed", "input_ids"], axis=0)  # [B, S, H]
+    for i in range(spec.num_layers):
+        hn = _rms_norm(g, x, f"l{i}.attn_norm", "c_last")
+        q = rope_3d(g.one("MatMul", [hn, f"l{i}.wq"]), "c_shape_q", "c_shape_q3")
+        k = rope_3d(g.one("MatMul", [hn, f"l{i}.wk"]), "c_shape_kv", "c_shape_kv3")
+        v = g.one("MatMul", [hn, f"l{i}.wv"])
+        keys, values = f"updated_key_cache.{i}", f"updated_value_cache.{i}"
+        g.op("TensorScatter", [f"key_cache.{i}", k, "write_indices"], outputs=[keys], axis=1)
+        g.op("TensorScatter", [f"value_cache.{i}", v, "write_indices"], outputs=[values], axis=1)
+        ctx = g.one(
+            "Attention",
+            [q, keys, values, "", "", "", "nonpad_kv_seqlen"],
+            is_causal=1,
+            q_num_heads=spec.num_heads,
+            kv_num_heads=spec.num_kv_heads,
+            scale=1.0 / math.sqrt(spec.head_dim),
+        )  # [B, S, nh*d]
+        x = g.one("Add", [x, g.one("MatMul", [ctx, f"l{i}.wo"])])
+        hn = _rms_norm(g, x, f"l{i}.mlp_norm", "c_last")
+        gate = g.one("MatMul", [hn, f"l{i}.w_gate"])
+        up = g.one("MatMul", [hn, f"l{i}.w_up"])
+        act = g.one("Mul", [g.one("Mul", [gate, g.one("Sigmoid", [gate])]), up])
+        x = g.one("Add", [x, g.one("MatMul", [act, f"l{i}.w_down"])])
+    g.op("MatMul", [_rms_norm(g, x, "final_norm", "c_last"), "lm_head"], outputs=["logits"])
+    graph = helper.make_graph(g.nodes, "tiny_static_cache", inputs, outputs, initializer=g.inits)
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 24)], producer_name="genai-grpc-tests"
+    )
+    model.ir_version = 10
+    return model
+
+
 def _mask(g: _Graph) -> str:
     """Additive attention bias [B, 1, S, T]: key j visible to query i iff
     j <= past_len + i and attention_mask[b, j] == 1 (left padding safe)."""
@@ -547,6 +648,20 @@ def _inference_metadata(spec: TinyModelSpec) -> dict:
         "position_encoding": spec.positions,
     }
     meta["kv_cache"] = {"native_dtype": "float32", "layout": "BNSH"}
+    if spec.attention == "static_cache":
+        # onnx-genai's declaration of the static-cache ABI (what Mobius writes)
+        meta["model"]["attention"]["type"] = "multi_head_attention"
+        meta["model"]["io"] = {
+            "static_cache": {
+                "write_indices_input": "write_indices",
+                "kv_sequence_length_input": "nonpad_kv_seqlen",
+                "key_cache_inputs": [f"key_cache.{i}" for i in range(spec.num_layers)],
+                "value_cache_inputs": [f"value_cache.{i}" for i in range(spec.num_layers)],
+                "key_cache_outputs": [f"updated_key_cache.{i}" for i in range(spec.num_layers)],
+                "value_cache_outputs": [f"updated_value_cache.{i}" for i in range(spec.num_layers)],
+            }
+        }
+        meta["kv_cache"] = {"native_dtype": "float32", "layout": "BSH"}
     meta["generation"] = {"do_sample": False, "temperature": 1.0}
     return meta
 
@@ -560,7 +675,9 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec())
     tokenizer_config.json into `out_dir` (created if needed). Returns `out_dir` as a Path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model = _build_graph(spec)
+    model = (
+        _build_static_cache_graph(spec) if spec.attention == "static_cache" else _build_graph(spec)
+    )
     (out / "model.onnx").write_bytes(model.SerializeToString(deterministic=True))
     tokenizer = _tokenizer_json(spec.add_bos, spec.tokenizer, spec.fim)
     (out / "tokenizer.json").write_text(tokenizer, encoding="utf-8")

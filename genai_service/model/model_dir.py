@@ -87,6 +87,21 @@ class KvLayout:
 
 
 @dataclass(frozen=True)
+class StaticCacheIO:
+    """onnx-genai's static-cache ABI (Mobius ``--static-cache`` exports): each
+    layer's K and V are one ``[batch, capacity, num_kv_heads * head_dim]``
+    buffer (``ModelSpec.past_names`` in, ``present_names`` out, the same
+    buffer bound to both), written at ``write_indices [batch]`` (the tokens of
+    valid KV before the step); ``kv_lengths [batch]`` (``nonpad_kv_seqlen``)
+    is the valid length after the write. ``capacity``: the buffer's sequence
+    size when the graph fixes it, else None (any)."""
+
+    write_indices: str
+    kv_lengths: str
+    capacity: int | None
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Everything the engine knows about a model directory, without its weights."""
 
@@ -118,6 +133,8 @@ class ModelSpec:
     # Per layer: the sliding attention window in tokens (GroupQueryAttention's
     # local_window_size), 0 where the layer sees the whole context.
     attention_windows: tuple[int, ...] = ()
+    # onnx-genai's static-cache I/O (then KV is [batch, capacity, kv_hidden]); None: past/present.
+    static_cache: StaticCacheIO | None = None
 
 
 @dataclass(frozen=True)
@@ -173,21 +190,33 @@ def load_model_spec(path: str | Path) -> ModelSpec:
             got = _dtype_name(inputs[name].elem_type)
             raise ModelLoadError(f"{name}: must be int64, got {got}")
 
-    past_names, present_names = _pair_kv(onnx_path.name, inputs, outputs, names)
-    past_tensors = [inputs[n] for pair in past_names for n in pair]
-    dtype = _kv_dtype(past_tensors + [outputs[n] for pair in present_names for n in pair])
-    kv_heads = _kv_dim(
-        past_tensors, 1, "kv_heads",
-        _get(genai, "model", "decoder", "num_key_value_heads"),
-        _get(meta, "model", "attention", "num_kv_heads"),
-        "num_key_value_heads",
-    )  # fmt: skip
-    head_dim = _kv_dim(
-        past_tensors, 3, "head_dim",
-        _get(genai, "model", "decoder", "head_size"),
-        _get(meta, "model", "attention", "head_dim"),
-        "head_size",
-    )  # fmt: skip
+    static = _static_cache_names(onnx_path.name, meta, inputs)
+    if static is not None:
+        past_names, present_names, static_io = _pair_static_cache(
+            onnx_path.name, inputs, outputs, static
+        )
+        past_tensors = [inputs[n] for pair in past_names for n in pair]
+        dtype = _kv_dtype(
+            past_tensors + [outputs[n] for pair in present_names for n in pair], rank=3
+        )
+        kv_heads, head_dim = _static_cache_heads(model, past_tensors, genai, meta)
+    else:
+        static_io = None
+        past_names, present_names = _pair_kv(onnx_path.name, inputs, outputs, names)
+        past_tensors = [inputs[n] for pair in past_names for n in pair]
+        dtype = _kv_dtype(past_tensors + [outputs[n] for pair in present_names for n in pair])
+        kv_heads = _kv_dim(
+            past_tensors, 1, "kv_heads",
+            _get(genai, "model", "decoder", "num_key_value_heads"),
+            _get(meta, "model", "attention", "num_kv_heads"),
+            "num_key_value_heads",
+        )  # fmt: skip
+        head_dim = _kv_dim(
+            past_tensors, 3, "head_dim",
+            _get(genai, "model", "decoder", "head_size"),
+            _get(meta, "model", "attention", "head_dim"),
+            "head_size",
+        )  # fmt: skip
     kv = KvLayout(len(past_names), kv_heads, head_dim, dtype)
 
     tokenizer = _LazyTokenizer(tokenizer_path)
@@ -248,6 +277,7 @@ def load_model_spec(path: str | Path) -> ModelSpec:
         fingerprint=_fingerprint(graph_bytes, _external_data_sizes(model, onnx_path)),
         rope_sources=find_rope_sources(model, [k for k, _ in past_names]),
         attention_windows=_attention_windows(model, [k for k, _ in past_names]),
+        static_cache=static_io,
     )
 
 
@@ -367,13 +397,12 @@ def _pair_kv(
     )
 
 
-def _kv_dtype(tensors: list[_Tensor]) -> str:
+def _kv_dtype(tensors: list[_Tensor], rank: int = 4) -> str:
     first: _Tensor | None = None
+    layout = "[batch, kv_heads, seq, head_dim]" if rank == 4 else "[batch, seq, kv_hidden]"
     for t in tensors:
-        if t.shape is not None and len(t.shape) != 4:
-            raise ModelLoadError(
-                f"{t.name}: KV rank {len(t.shape)}, expected 4 [batch, kv_heads, seq, head_dim]"
-            )
+        if t.shape is not None and len(t.shape) != rank:
+            raise ModelLoadError(f"{t.name}: KV rank {len(t.shape)}, expected {rank} {layout}")
         if t.elem_type == 0:
             continue  # an output with no declared type; ORT will tell us at run time
         if t.elem_type not in _KV_DTYPES:
@@ -391,6 +420,165 @@ def _kv_dtype(tensors: list[_Tensor]) -> str:
     if first is None:
         raise ModelLoadError(f"{tensors[0].name}: KV tensor declares no element type")
     return _KV_DTYPES[first.elem_type]
+
+
+# onnx-genai's static-cache names (inference_metadata.yaml model.io.static_cache
+# may name others): what Mobius --static-cache exports.
+_STATIC_CACHE_DEFAULTS = {
+    "write_indices_input": "write_indices",
+    "kv_sequence_length_input": "nonpad_kv_seqlen",
+    "key_cache_inputs": "key_cache.%d",
+    "value_cache_inputs": "value_cache.%d",
+    "key_cache_outputs": "updated_key_cache.%d",
+    "value_cache_outputs": "updated_value_cache.%d",
+}
+
+
+def _static_cache_names(
+    model_file: str, meta: Mapping[str, Any], inputs: Mapping[str, _Tensor]
+) -> dict[str, Any] | None:
+    """The static-cache tensor names: ``model.io.static_cache`` of
+    inference_metadata.yaml, or the canonical ones when the graph has a
+    ``write_indices`` input; None for a past/present graph."""
+    declared = _get(meta, "model", "io", "static_cache")
+    if declared is None:
+        if _STATIC_CACHE_DEFAULTS["write_indices_input"] not in inputs:
+            return None
+        return dict(_STATIC_CACHE_DEFAULTS)
+    if not isinstance(declared, Mapping):
+        raise ModelLoadError(
+            f"{INFERENCE_METADATA_FILE}: model.io.static_cache must be a mapping, got "
+            f"{type(declared).__name__}"
+        )
+    names = dict(_STATIC_CACHE_DEFAULTS)
+    for key, value in declared.items():
+        if key not in names:
+            continue  # fields of the ABI the engine does not need
+        if key.endswith(("_inputs", "_outputs")):
+            ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+        else:
+            ok = isinstance(value, str)
+        if not ok:
+            raise ModelLoadError(
+                f"{INFERENCE_METADATA_FILE}: model.io.static_cache.{key} has the wrong type "
+                f"({value!r})"
+            )
+        names[key] = value
+    return names
+
+
+def _pair_static_cache(
+    model_file: str,
+    inputs: Mapping[str, _Tensor],
+    outputs: Mapping[str, _Tensor],
+    names: Mapping[str, Any],
+) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...], StaticCacheIO]:
+    """Per layer (key, value) cache inputs and outputs of a static-cache graph."""
+    per_layer: dict[str, list[str]] = {}
+    for key in ("key_cache_inputs", "value_cache_inputs"):
+        value = names[key]
+        found = value if isinstance(value, list) else _match_layers(value, list(inputs))
+        per_layer[key] = found if isinstance(found, list) else [found[i] for i in sorted(found)]
+    for key in ("key_cache_outputs", "value_cache_outputs"):
+        value = names[key]
+        found = value if isinstance(value, list) else _match_layers(value, list(outputs))
+        per_layer[key] = found if isinstance(found, list) else [found[i] for i in sorted(found)]
+    counts = {key: len(v) for key, v in per_layer.items()}
+    if not counts["key_cache_inputs"] or len(set(counts.values())) != 1:
+        raise ModelLoadError(
+            f"{model_file}: static-cache KV names do not pair up per layer ({counts})"
+        )
+    for key, tensors in (
+        ("key_cache_inputs", inputs),
+        ("value_cache_inputs", inputs),
+        ("key_cache_outputs", outputs),
+        ("value_cache_outputs", outputs),
+    ):
+        for name in per_layer[key]:
+            if name not in tensors:
+                where = "input" if key.endswith("inputs") else "output"
+                raise ModelLoadError(f"{model_file}: graph has no {where} '{name}' ({key})")
+    write, lengths = names["write_indices_input"], names["kv_sequence_length_input"]
+    known = {INPUT_IDS, write, lengths, *per_layer["key_cache_inputs"]}
+    known |= set(per_layer["value_cache_inputs"])
+    for name in (write, lengths):
+        if name not in inputs:
+            raise ModelLoadError(f"{model_file}: static-cache graph has no input '{name}'")
+        if inputs[name].elem_type != _INT64:
+            raise ModelLoadError(
+                f"{name}: must be int64, got {_dtype_name(inputs[name].elem_type)}"
+            )
+    for name in inputs:
+        if name not in known:
+            raise ModelLoadError(
+                f"{model_file}: unsupported graph input '{name}' in a static-cache graph "
+                f"(the engine feeds {INPUT_IDS}, {write}, {lengths} and the KV caches)"
+            )
+    capacities: set[int] = set()
+    for n in per_layer["key_cache_inputs"] + per_layer["value_cache_inputs"]:
+        shape = inputs[n].shape
+        if shape is not None and len(shape) == 3 and isinstance(shape[1], int):
+            capacities.add(shape[1])
+    if len(capacities) > 1:
+        raise ModelLoadError(f"{model_file}: KV caches of different lengths {sorted(capacities)}")
+    past = tuple(zip(per_layer["key_cache_inputs"], per_layer["value_cache_inputs"], strict=True))
+    present = tuple(
+        zip(per_layer["key_cache_outputs"], per_layer["value_cache_outputs"], strict=True)
+    )
+    io = StaticCacheIO(write, lengths, capacities.pop() if capacities else None)
+    return past, present, io
+
+
+def _static_cache_heads(
+    model: onnx.ModelProto,
+    caches: list[_Tensor],
+    genai: Mapping[str, Any],
+    meta: Mapping[str, Any],
+) -> tuple[int, int]:
+    """(num_kv_heads, head_dim) of a static-cache graph: its caches hold
+    ``kv_hidden`` per position, split by the Attention ops' ``kv_num_heads``
+    or the config's KV heads and head size."""
+    hidden = {t.shape[2] for t in caches if t.shape is not None and isinstance(t.shape[2], int)}
+    attrs = {
+        a.i
+        for n in _all_nodes(model)
+        if n.op_type == "Attention" and n.domain in ("", "ai.onnx")
+        for a in n.attribute
+        if a.name == "kv_num_heads"
+    }
+    heads = _opt_int(
+        _first(
+            _get(genai, "model", "decoder", "num_key_value_heads"),
+            _get(meta, "model", "attention", "num_kv_heads"),
+            next(iter(attrs)) if len(attrs) == 1 else None,
+        ),
+        "num_kv_heads",
+    )
+    head_dim = _opt_int(
+        _first(
+            _get(genai, "model", "decoder", "head_size"),
+            _get(meta, "model", "attention", "head_dim"),
+        ),
+        "head_dim",
+    )
+    kv_hidden = hidden.pop() if len(hidden) == 1 else None
+    if heads is None:
+        raise ModelLoadError(
+            f"{caches[0].name}: the static cache's KV heads are unknown (no Attention "
+            "kv_num_heads, no model.attention.num_kv_heads)"
+        )
+    if head_dim is None:
+        if kv_hidden is None:
+            raise ModelLoadError(
+                f"{caches[0].name}: the static cache's head size is unknown (no static "
+                "kv_hidden, no model.attention.head_dim)"
+            )
+        head_dim = kv_hidden // heads
+    if kv_hidden is not None and kv_hidden != heads * head_dim:
+        raise ModelLoadError(
+            f"{caches[0].name}: kv_hidden {kv_hidden} is not {heads} KV heads x head_dim {head_dim}"
+        )
+    return heads, head_dim
 
 
 def _kv_dim(

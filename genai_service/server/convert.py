@@ -58,6 +58,7 @@ _FINISH = {reason: getattr(common_pb2, f"FINISH_REASON_{reason.value}") for reas
 _RUNNER = {
     "past_present": model_pb2.RUNNER_KIND_PAST_PRESENT,
     "shared_buffer": model_pb2.RUNNER_KIND_SHARED_BUFFER,
+    "static_cache": model_pb2.RUNNER_KIND_STATIC_CACHE,
 }
 
 

@@ -116,8 +116,8 @@ type SessionInfo struct {
 	DroppedTokens   uint64
 }
 
-// ModelInfo describes the served model. RunnerKind is "PAST_PRESENT" or
-// "SHARED_BUFFER".
+// ModelInfo describes the served model. RunnerKind is "PAST_PRESENT",
+// "SHARED_BUFFER" or "STATIC_CACHE".
 type ModelInfo struct {
 	ModelID         string
 	ContextLength   uint32

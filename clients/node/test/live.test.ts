@@ -80,7 +80,7 @@ describe("live server", { skip: target ? false : "GENAI_TARGET is not set" }, ()
     assert.equal(stopped.tokenIds.length, 1);
     const info = await client.modelInfo();
     assert.ok(info.contextLength >= 4096);
-    assert.ok(["PAST_PRESENT", "SHARED_BUFFER"].includes(info.runnerKind));
+    assert.ok(["PAST_PRESENT", "SHARED_BUFFER", "STATIC_CACHE"].includes(info.runnerKind));
   });
 
   test("a two-turn session reuses turn 1's KV; sessions list, reset and close", async () => {

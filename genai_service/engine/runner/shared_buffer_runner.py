@@ -34,8 +34,7 @@ class SharedBufferRunner(ModelRunner):
     kind = "shared_buffer"
 
     def __init__(self, spec: ModelSpec, config: RunnerConfig, max_slots: int, max_len: int) -> None:
-        if not spec.uses_gqa:
-            raise ValueError("the shared-buffer runner needs a GroupQueryAttention graph")
+        self._check_graph(spec)
         self.spec = spec
         self.max_slots = max_slots
         self.max_len = max_len
@@ -44,8 +43,7 @@ class SharedBufferRunner(ModelRunner):
         )
         kv = spec.kv
         self._dtype = np.dtype(kv.dtype)
-        shape = (max_slots, kv.num_kv_heads, max_len, kv.head_dim)
-        # [max_slots, kv_heads, max_len, head_dim] per layer, K then V.
+        shape = self._buffer_shape(max_slots, max_len)
         self._maps: list[mmap.mmap] = []
         self.k_buffers = [self._zeros(shape) for _ in range(kv.num_layers)]
         self.v_buffers = [self._zeros(shape) for _ in range(kv.num_layers)]
@@ -58,6 +56,44 @@ class SharedBufferRunner(ModelRunner):
         self._owner: list[int | None] = [None] * max_slots  # slot -> seq_id
         self._len: dict[int, int] = {}  # seq_id -> tokens of valid KV
         self.moves = 0  # slot compactions (KV copies), for tests and stats
+
+    # -- the graph's KV layout (StaticCacheRunner overrides these) --------------
+
+    def _check_graph(self, spec: ModelSpec) -> None:
+        if not spec.uses_gqa:
+            raise ValueError("the shared-buffer runner needs a GroupQueryAttention graph")
+
+    def _buffer_shape(self, max_slots: int, max_len: int) -> tuple[int, ...]:
+        """One layer's K (or V) buffer: ``[max_slots, kv_heads, max_len, head_dim]``."""
+        kv = self.spec.kv
+        return (max_slots, kv.num_kv_heads, max_len, kv.head_dim)
+
+    def _read(self, buf: np.ndarray, slot: int, start: int, end: int) -> np.ndarray:
+        """A copy of positions ``start:end`` of ``slot`` as ``[kv_heads, n, head_dim]``."""
+        return buf[slot, :, start:end].copy()
+
+    def _write(self, buf: np.ndarray, slot: int, start: int, layer: np.ndarray) -> None:
+        """``layer`` (``[kv_heads, n, head_dim]``) into positions ``start:start+n``."""
+        buf[slot, :, start : start + layer.shape[1]] = layer
+
+    def _move(self, buf: np.ndarray, dst: int, src: int, n: int) -> None:
+        """The first ``n`` positions of slot ``src`` into slot ``dst``."""
+        buf[dst, :, :n] = buf[src, :, :n]
+
+    def _bind_lengths(self, binding: ort.IOBinding, lens: list[int], n_new: int) -> None:
+        """What tells the graph where each row's new tokens go: GQA reads it from
+        the attention mask (right-padded: row b holds lens[b] + n_new real
+        positions), plain RoPE graphs from position_ids."""
+        batch, total = len(lens), max(lens) + n_new
+        if self.spec.has_attention_mask:
+            if min(lens) + n_new == total:
+                mask = np.ones((batch, total), np.int64)  # no padding (always so for one row)
+            else:
+                mask = (np.arange(total) < np.asarray(lens)[:, None] + n_new).astype(np.int64)
+            binding.bind_cpu_input("attention_mask", mask)
+        if self.spec.has_position_ids:
+            positions = np.asarray([np.arange(n, n + n_new) for n in lens], np.int64)
+            binding.bind_cpu_input("position_ids", positions)
 
     def _zeros(self, shape: tuple[int, ...]) -> np.ndarray:
         """A zeroed buffer whose pages become resident only when written.
@@ -114,7 +150,7 @@ class SharedBufferRunner(ModelRunner):
     def read_kv(self, seq_id: int, start: int, end: int) -> KvLayers:
         slot = self._slot[seq_id]
         return [
-            (k[slot, :, start:end].copy(), v[slot, :, start:end].copy())
+            (self._read(k, slot, start, end), self._read(v, slot, start, end))
             for k, v in zip(self.k_buffers, self.v_buffers, strict=True)
         ]
 
@@ -133,8 +169,8 @@ class SharedBufferRunner(ModelRunner):
         for chunk in chunks:
             n = int(chunk[0][0].shape[1])
             for (k_in, v_in), k, v in zip(chunk, self.k_buffers, self.v_buffers, strict=True):
-                k[slot, :, start : start + n] = k_in
-                v[slot, :, start : start + n] = v_in
+                self._write(k, slot, start, k_in)
+                self._write(v, slot, start, v_in)
             start += n
         self._len[seq_id] = total
 
@@ -152,8 +188,8 @@ class SharedBufferRunner(ModelRunner):
         assert mover is not None
         n = self._len[mover]
         for k, v in zip(self.k_buffers, self.v_buffers, strict=True):
-            k[slot, :, :n] = k[last, :, :n]
-            v[slot, :, :n] = v[last, :, :n]
+            self._move(k, slot, last, n)
+            self._move(v, slot, last, n)
         self._slot[mover] = slot
         self._owner[slot] = mover
         self._owner[last] = None
@@ -250,12 +286,6 @@ class SharedBufferRunner(ModelRunner):
         whose ``input_ids`` is already bound to ``input_ids``."""
         spec = self.spec
         batch, n_new = input_ids.shape
-        total = max(lens) + n_new
-        # Right-padded: row b holds lens[b] + n_new real positions.
-        if min(lens) + n_new == total:
-            mask = np.ones((batch, total), np.int64)  # no padding (always so for one row)
-        else:
-            mask = (np.arange(total) < np.asarray(lens)[:, None] + n_new).astype(np.int64)
         wide = keep > 1 and spec.logits_last_only
         if binding is None:
             binding = self._binding(lo, hi, wide)
@@ -267,11 +297,7 @@ class SharedBufferRunner(ModelRunner):
             # inputs only, and this one has a default.
             keep_value = ort.OrtValue.ortvalue_from_numpy(np.array([keep], np.int64))
             binding.bind_ortvalue_input(spec.num_logits_input, keep_value)
-        if spec.has_attention_mask:
-            binding.bind_cpu_input("attention_mask", mask)
-        if spec.has_position_ids:
-            positions = np.asarray([np.arange(n, n + n_new) for n in lens], np.int64)
-            binding.bind_cpu_input("position_ids", positions)
+        self._bind_lengths(binding, lens, n_new)
         if wide:
             # More rows than the declared [batch, 1, vocab] (which onnxruntime-genai
             # relies on): ORT refuses a bound array of that shape, so it allocates
