@@ -32,7 +32,7 @@ PROMPT_TOKENS = 128
 def http_single(port: int, ids: Sequence[int], new_tokens: int) -> dict:
     """One streamed ``/v1/completions`` call (greedy, EOS ignored), read as SSE."""
     body = {
-        "model": "bench",
+        "model": "default",
         "prompt": list(ids),
         "max_tokens": new_tokens,
         "temperature": 0,

@@ -63,6 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p, ServerConfig, only=("host", "port"))
     add_logging_flags(p, ServerConfig.log_format)
     add_flags(p, ServerConfig, only=("metrics_port", "http_port", "grace_period_s"))
+    add_flags(p, ServerConfig, only=("strict_openai",))
+    p.add_argument(
+        "--served-model-name",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="a name the HTTP API serves the model under (repeatable): /v1/models lists "
+        "them and a request's model must be one (default: 'default' and the model id)",
+    )
     add_flags(
         p.add_argument_group("HTTP connections"),
         ServerConfig,
@@ -149,6 +158,17 @@ def kvstore_config(args: argparse.Namespace) -> KvStoreConfig | None:
     )
 
 
+def _served_names(args: argparse.Namespace, model_dir: str) -> tuple[str, ...]:
+    """--served-model-name; without it, a named model other than 'default'
+    (--model gemma3-270m) is served under its name too, beside 'default' and
+    the model id (the gateway's own default: ServerConfig.served_model_names)."""
+    if args.served_model_name:
+        return tuple(args.served_model_name)
+    if args.model != model_dir and args.model != "default":
+        return ("default", args.model, Path(model_dir).name)
+    return ()
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     model_dir = args.model
     from .convert.default_model import NAMED_MODELS, resolve_model
@@ -182,6 +202,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         engine=engine,
         auth_tokens=tuple(tokens),
+        served_model_names=_served_names(args, model_dir),
         log_format=args.log_format,
         **flag_values(args, ServerConfig),
     )

@@ -467,6 +467,14 @@ class ServerConfig:
         help="HTTP: connections open at once; one more is answered 503 and closed",
         metavar="N",
     )
+    # The names a request's `model` may give over HTTP, listed by /v1/models
+    # (--served-model-name, repeatable); empty: "default" and the model id.
+    served_model_names: tuple[str, ...] = ()
+    strict_openai: bool = flag(
+        False,
+        help="HTTP: refuse (400) request fields this server does not know, instead of "
+        "accepting and logging them as vLLM does",
+    )
     # Bearer tokens accepted on the control plane, as (token, principal); empty: no auth.
     auth_tokens: tuple[tuple[str, str], ...] = ()
     tls_cert_file: str | None = _TLS["tls_cert_file"]  # PEM; with tls_key_file, serve TLS
@@ -516,6 +524,9 @@ class ServerConfig:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
+        for name in self.served_model_names:
+            if not 1 <= len(name) <= 256:
+                raise ValueError(f"served_model_names: {name[:64]!r} must be 1 to 256 characters")
         for name in ("http_header_timeout_s", "http_body_timeout_s", "http_idle_timeout_s"):
             _positive(name, getattr(self, name))
         _positive("http_max_connections", self.http_max_connections)

@@ -246,7 +246,7 @@ def test_the_schema_rows_over_http(server: ServerThread) -> None:
 
     def schema(value: Any) -> dict[str, Any]:
         return {
-            "model": "any",
+            "model": "default",
             "messages": chat,
             "max_tokens": 16,
             "response_format": {
@@ -270,7 +270,9 @@ def test_the_schema_rows_over_http(server: ServerThread) -> None:
         deep = json.loads(nested_items(100))
         status, reply = post(server, schema(deep))
         assert status == 200 or reply["error"]["param"] == "response_format.json_schema.schema"
-        raw = '{"model":"any","messages":[],"response_format":' + "[" * 20000 + "]" * 20000 + "}"
+        raw = (
+            '{"model":"default","messages":[],"response_format":' + "[" * 20000 + "]" * 20000 + "}"
+        )
         assert server.server.http_port
         conn = http.client.HTTPConnection("127.0.0.1", server.server.http_port, timeout=60)
         try:
@@ -285,12 +287,12 @@ def test_the_schema_rows_over_http(server: ServerThread) -> None:
         tools = [
             {"type": "function", "function": {"name": "deep", "parameters": deep}},
         ]
-        status, reply = post(server, {"model": "any", "messages": chat, "tools": tools})
+        status, reply = post(server, {"model": "default", "messages": chat, "tools": tools})
         assert status in (200, 400), reply
         chained = [
             {"type": "function", "function": {"name": "c", "parameters": ref_chain_schema(3000)}}
         ]
-        status, reply = post(server, {"model": "any", "messages": chat, "tools": chained})
+        status, reply = post(server, {"model": "default", "messages": chat, "tools": chained})
         assert status == 400 and reply["error"]["param"] == "tools[0].function.parameters"
         call = {
             "id": "c1",
@@ -303,7 +305,7 @@ def test_the_schema_rows_over_http(server: ServerThread) -> None:
             {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
         ]
         weather = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
-        status, reply = post(server, {"model": "any", "messages": messages, "tools": weather})
+        status, reply = post(server, {"model": "default", "messages": messages, "tools": weather})
         assert status == 400 and reply["error"]["message"].endswith(
             "JSON nested 100000 levels deep; allowed at most 128"
         )

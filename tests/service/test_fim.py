@@ -120,7 +120,7 @@ def test_fim_over_http_is_openai_suffix(server: ServerThread) -> None:
     base = f"http://127.0.0.1:{server.server.http_port}/v1"
     with openai.OpenAI(base_url=base, api_key="unused", max_retries=0) as sdk:
         answer = sdk.completions.create(
-            model="m", prompt=PREFIX, suffix=SUFFIX, max_tokens=8, temperature=0
+            model="default", prompt=PREFIX, suffix=SUFFIX, max_tokens=8, temperature=0
         )
     with Client(server.target) as client:
         fim = client.generate(fim_prefix=PREFIX, fim_suffix=SUFFIX, max_new_tokens=8)
@@ -157,7 +157,7 @@ def test_a_model_without_fim_tokens_names_what_is_missing(tiny_model_dir: Path) 
             assert err.value.details == NO_FIM
         assert srv.server is not None
         conn = http.client.HTTPConnection("127.0.0.1", srv.server.http_port, timeout=60)
-        body = {"model": "m", "prompt": "a", "suffix": "b"}
+        body = {"model": "default", "prompt": "a", "suffix": "b"}
         conn.request(
             "POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"}
         )

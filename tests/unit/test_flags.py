@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -51,6 +52,7 @@ NOT_FLAGS = {
     # --redis, --redis-password-file), or the logging group both servers share.
     "EngineConfig.model_dir",
     "ServerConfig.auth_tokens",
+    "ServerConfig.served_model_names",  # --served-model-name, repeatable
     "ServerConfig.log_format",
     "KvStoreConfig.target",
     "KvStoreConfig.auth_token",
@@ -76,6 +78,7 @@ NOT_FLAGS = {
 # Flags that set no single field (the NOT_FLAGS fields above they feed).
 SERVER_OTHER = {
     "model",
+    "served_model_name",
     "log_format",
     "auth_token_file",
     "kvstore",
@@ -168,6 +171,26 @@ def test_the_defaults_build_the_default_configs(monkeypatch: pytest.MonkeyPatch)
         insecure=True
     )
     assert store.parse_args(["--tls-cert", "c"]).tls_cert_file == "c"
+
+
+def test_served_model_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GENAI_AUTH_TOKEN", raising=False)
+    parser = server_main.build_parser()
+
+    def names(*argv: str) -> tuple[str, ...]:
+        return server_main.config_from_args(parser.parse_args(argv)).served_model_names
+
+    assert names("--model", "m") == ()  # the gateway's default: "default" and the model id
+    assert names("--model", "m", "--served-model-name", "a", "--served-model-name", "b") == (
+        "a",
+        "b",
+    )
+    cache = "/cache/genai-grpc/0123-int8-v3"
+    monkeypatch.setattr(
+        "genai_service.convert.default_model.resolve_model", lambda name: Path(cache)
+    )
+    assert names("--model", "gemma3-270m") == ("default", "gemma3-270m", "0123-int8-v3")
+    assert names("--model", "default") == ()
 
 
 def test_byte_counts_and_the_redis_prefix() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from genai_common.errors import InvalidArgument, NotFound, ResourceExhausted
@@ -57,11 +59,9 @@ def test_fields_map_onto_the_generate_request() -> None:
 @pytest.mark.parametrize(
     ("kind", "body", "param"),
     [
-        (CHAT, {"messages": USER, "frobnicate": 1}, "frobnicate"),
         (CHAT, {"messages": USER, "temperature": "hot"}, "temperature"),
         (CHAT, {"messages": USER, "stream": 1}, "stream"),
         (CHAT, {"messages": []}, "messages"),
-        (CHAT, {"messages": [{"role": "user", "content": "x", "extra": 1}]}, "messages[0].extra"),
         (CHAT, {"messages": USER, "top_logprobs": 2}, "top_logprobs"),
         (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         (CHAT, {"messages": USER, "n": 0}, "n"),
@@ -79,6 +79,52 @@ def test_bad_fields_are_named(kind: str, body: dict, param: str) -> None:
         parse(kind, body)
     status, error = openai_reply.error_body(err.value)
     assert status == 400 and error["error"]["param"] == param
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"messages": USER, "frobnicate": 1}, "frobnicate"),
+        ({"messages": [{"role": "user", "content": "x", "extra": 1}]}, "messages[0].extra"),
+        ({"messages": USER, "stream": True, "stream_options": {"x": 1}}, "stream_options.x"),
+    ],
+)
+def test_unknown_fields_are_listed_or_refused_when_strict(body: dict, field: str) -> None:
+    assert parse(CHAT, body).unknown == [field]
+    with pytest.raises(InvalidArgument) as err:
+        parse(CHAT, body, strict=True)
+    status, error = openai_reply.error_body(err.value)
+    assert status == 400 and error["error"]["param"] == field
+    assert error["error"]["message"] == f"{field}: unknown field (--strict-openai)"
+
+
+def test_the_sdks_assistant_message_keys_and_vllm_extras_are_known() -> None:
+    message = {
+        "role": "assistant",
+        "content": "hi",
+        "refusal": None,
+        "function_call": None,
+        "audio": None,
+        "annotations": [],
+        "tool_calls": None,
+    }
+    call = parse(
+        CHAT,
+        {
+            "messages": [*USER, message],
+            "chat_template_kwargs": {"enable_thinking": False},
+            "add_generation_prompt": True,
+            "continuous_usage_stats": True,
+            "functions": [],
+            "function_call": "none",
+        },
+    )
+    assert call.unknown == [] and len(call.request.messages.messages) == 2
+    assert parse(CHAT, {"messages": USER, "guided_regex": "a+"}).request.constraint.regex == "a+"
+    c = parse(CHAT, {"messages": USER, "structured_outputs": {"json": {"type": "object"}}})
+    assert json.loads(c.request.constraint.json_schema) == {"type": "object"}
+    c = parse(COMPLETIONS, {"prompt": "a", "response_format": {"type": "json_object"}})
+    assert c.request.constraint.json_object
 
 
 def test_engine_field_paths_become_the_json_fields() -> None:

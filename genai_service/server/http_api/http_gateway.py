@@ -37,6 +37,7 @@ from genai_common.errors import (
     GenAIError,
     Internal,
     InvalidArgument,
+    NotFound,
     Unavailable,
 )
 from genai_common.metadata import CONTEXT_OVERFLOW_HEADER, SESSION_ID_HEADER
@@ -79,6 +80,11 @@ class _EventStream(StreamingResponse):
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
             await self.events.aclose()  # also when the body never started
+
+
+class ModelNotFound(NotFound):
+    """A request's ``model`` that is none of the served names: 404
+    ``model_not_found``, as OpenAI and vLLM answer."""
 
 
 class BodyTimeout(DeadlineExceeded):
@@ -183,6 +189,7 @@ class HttpGateway:
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
                 Route("/v1/sessions", self.create_session, methods=["POST"]),
                 Route("/v1/sessions/{session_id}:rewind", self.rewind_session, methods=["POST"]),
                 Route("/v1/sessions/{session_id}:fork", self.fork_session, methods=["POST"]),
@@ -305,7 +312,31 @@ class HttpGateway:
         headers = {"www-authenticate": "Bearer"} if status == 401 else None
         if isinstance(exc, BodyTimeout):
             status, headers = 408, {"connection": "close"}
+        if isinstance(exc, ModelNotFound):
+            error = {"type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+            body["error"].update(error)
         return _json(body, status, headers)
+
+    def served_names(self) -> tuple[str, ...]:
+        """What a request's ``model`` may say (the first one answers when it says
+        nothing): ``--served-model-name``, else "default" and the model id."""
+        if self.config.served_model_names:
+            return self.config.served_model_names
+        info = self.fe.engine.info
+        return ("default", info.model_id) if info else ("default",)
+
+    def _model_of(self, body: Any) -> str:
+        """The name a response gives: the request's ``model`` if it is served
+        (``ModelNotFound`` if not), else the first served name."""
+        served = self.served_names()
+        asked = body.get("model") if isinstance(body, dict) else None
+        if asked is None:
+            return served[0]
+        if not isinstance(asked, str):
+            raise InvalidArgument(f"model: {json.dumps(asked)[:80]} is not a string")
+        if asked not in served:
+            raise ModelNotFound(f"model: the model `{asked[:256]}` does not exist")
+        return asked
 
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, openai_api.CHAT, "ChatCompletions")
@@ -320,7 +351,12 @@ class HttpGateway:
             rid = self._admit(request, name)
             session_id = request.headers.get(SESSION_ID_HEADER, "")
             overflow = request.headers.get(CONTEXT_OVERFLOW_HEADER, "")
-            call = openai_api.parse(kind, await self._body(request), session_id, overflow)
+            body = await self._body(request)
+            model = self._model_of(body)
+            call = openai_api.parse(kind, body, session_id, overflow, self.config.strict_openai)
+            if call.unknown:
+                # accepted and unused, as vLLM does (--strict-openai refuses them)
+                log.warning("openai_fields_ignored", fields=call.unknown[:32])
             call.request.request_id = rid
             session = None
             if session_id:
@@ -337,8 +373,7 @@ class HttpGateway:
             first = await anext(events)
         except Exception as exc:
             return self._failure(name, exc, started, call.names if call else None)
-        info = self.fe.engine.info
-        reply = openai_reply.Reply(call, info.model_id if info else "", rid)
+        reply = openai_reply.Reply(call, model, rid)
         if call.stream:
             body = self._stream(name, reply, first, events, started)
             return _EventStream(body, events, rid)
@@ -355,7 +390,8 @@ class HttpGateway:
             await events.aclose()
         self.fe.metrics.observe_rpc(name, "OK", started)
         texts = {i: "".join(parts) for i, parts in text.items()}
-        return _json(reply.response(texts, event), headers={"x-request-id": rid})
+        headers = {"x-request-id": rid, "x-seed": str(event.seed)}
+        return _json(reply.response(texts, event), headers=headers)
 
     async def _stream(
         self,
@@ -397,7 +433,22 @@ class HttpGateway:
         except Exception as exc:
             return self._failure("ListModels", exc, started)
         self.fe.metrics.observe_rpc("ListModels", "OK", started)
-        return _json(openai_reply.models(info.model_id, self.created))
+        return _json(openai_reply.models(self.served_names(), self.created))
+
+    async def model(self, request: Request) -> Response:
+        """``GET /v1/models/{id}``: the served name's model object, or 404."""
+        started = time.monotonic()
+        try:
+            self._admit(request, "GetModel")
+            if self.fe.engine.info is None:
+                raise Unavailable("the engine is starting; retry shortly")
+            asked = request.path_params["model_id"]
+            if asked not in self.served_names():
+                raise ModelNotFound(f"model: the model `{asked[:256]}` does not exist")
+        except Exception as exc:
+            return self._failure("GetModel", exc, started)
+        self.fe.metrics.observe_rpc("GetModel", "OK", started)
+        return _json(openai_reply.model_object(asked, self.created))
 
     async def health(self, request: Request) -> Response:
         serving = self.fe.engine.ready and not self.fe.draining

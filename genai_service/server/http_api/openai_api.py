@@ -71,9 +71,38 @@ _IGNORED = {
     "prompt_cache_retention": "string",
     "prompt_cache_options": "object",
     "moderation": "object",
+    # Deprecated forms the SDK still has in its signature (functions → tools).
+    "functions": "array",
+    "function_call": "string_or_object",
+    # vLLM's extras this server has no use for: the chat template is the
+    # model's own (no kwargs, always with the generation prompt), usage is in
+    # the last chunk.
+    "chat_template_kwargs": "object",
+    "add_generation_prompt": "boolean",
+    "continuous_usage_stats": "boolean",
+    "return_tokens_as_token_ids": "boolean",
+    "spaces_between_special_tokens": "boolean",
+    "priority": "integer",
+    "request_id": "string",
+}
+# What an assistant message the SDK returned carries besides role, content and
+# tool_calls (``message.model_dump()`` sent back): accepted, null or not, and
+# unused (a refusal is not a turn the model continues from; no audio).
+_MESSAGE_IGNORED = ("refusal", "function_call", "audio", "annotations", "reasoning_content")
+# stream_options beyond include_usage: accepted, no effect.
+_STREAM_OPTIONS_IGNORED = ("include_obfuscation", "continuous_usage_stats")
+# vLLM's structured-output fields (guided_* and their successor
+# structured_outputs), as constraints.
+_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
 }
 _JSON_TYPES: dict[str, Callable[[Any], bool]] = {
     "string": lambda v: isinstance(v, str),
+    "string_or_object": lambda v: isinstance(v, str | dict),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
     "boolean": lambda v: isinstance(v, bool),
     "object": lambda v: isinstance(v, dict),
     "array": lambda v: isinstance(v, list),
@@ -100,6 +129,9 @@ _COMMON = {
     "cache_salt",
     "truncate_prompt_tokens",
     "context_overflow",
+    "response_format",
+    "structured_outputs",
+    *_GUIDED,
 }
 _FIELDS = {
     CHAT: _COMMON
@@ -108,7 +140,6 @@ _FIELDS = {
         "max_completion_tokens",
         "logprobs",
         "top_logprobs",
-        "response_format",
         "tools",
         "tool_choice",
     },
@@ -128,6 +159,9 @@ class Call:
     # proto field path → the JSON field the client sent (error messages name it).
     names: dict[str, str] = field(default_factory=dict)
     echo: str | None = None  # completions' echo: the prompt text, before the answer
+    # Fields the body had that this server does not know (accepted unless
+    # --strict-openai; the gateway logs them).
+    unknown: list[str] = field(default_factory=list)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field, as asked
 
 
@@ -203,20 +237,30 @@ def context_overflow(value: str, where: str = "context_overflow") -> int:
     return values[value]
 
 
-def parse(kind: str, body: Any, session_id: str = "", overflow: str = "") -> Call:
+def parse(
+    kind: str, body: Any, session_id: str = "", overflow: str = "", strict: bool = False
+) -> Call:
     """The GenerateRequest of an OpenAI ``/v1/chat/completions`` or
     ``/v1/completions`` body; INVALID_ARGUMENT naming the JSON field for an
-    unknown or ill-typed field or an unsupported value."""
+    ill-typed field or an unsupported value. A field this server does not
+    know is accepted and listed in ``Call.unknown`` (as vLLM and llama-server
+    accept what they cannot use), or with ``strict`` (``--strict-openai``)
+    INVALID_ARGUMENT."""
     if not isinstance(body, dict):
         raise InvalidArgument("body: must be a JSON object")
     _check_text(body, "")
-    for name in body:
-        if name not in _FIELDS[kind]:
-            raise InvalidArgument(f"{name}: unknown field")
-    for name, kind_of in _IGNORED.items():
-        _typed(body, name, _JSON_TYPES[kind_of], f"a{'n' if kind_of[0] in 'ao' else ''} {kind_of}")
     request = generate_pb2.GenerateRequest(session_id=session_id)
     call = Call(kind, request)
+    for name in body:
+        if name not in _FIELDS[kind]:
+            if strict:
+                raise InvalidArgument(f"{name}: unknown field (--strict-openai)")
+            call.unknown.append(name)
+    for name, kind_of in _IGNORED.items():
+        what = {"string_or_object": "a string or an object"}.get(
+            kind_of, f"a{'n' if kind_of[0] in 'aoi' else ''} {kind_of}"
+        )
+        _typed(body, name, _JSON_TYPES[kind_of], what)
     _sampling(body, request)
     _stopping(body, call)
     n = _integer(body, "n")
@@ -235,8 +279,12 @@ def parse(kind: str, body: Any, session_id: str = "", overflow: str = "") -> Cal
         if not call.stream:
             raise InvalidArgument("stream_options: only with stream: true")
         for name in options:
-            if name != "include_usage":
-                raise InvalidArgument(f"stream_options.{name}: unknown field")
+            if name != "include_usage" and name not in _STREAM_OPTIONS_IGNORED:
+                if strict:
+                    raise InvalidArgument(f"stream_options.{name}: unknown field (--strict-openai)")
+                call.unknown.append(f"stream_options.{name}")
+        for name in _STREAM_OPTIONS_IGNORED:
+            _typed(options, name, _JSON_TYPES["boolean"], "a boolean")
         call.include_usage = bool(_boolean(options, "include_usage"))
     skip = _boolean(body, "skip_special_tokens")
     if skip is not None:
@@ -257,9 +305,11 @@ def parse(kind: str, body: Any, session_id: str = "", overflow: str = "") -> Cal
     if salt is not None:
         request.cache_salt = salt
     if kind == CHAT:
-        _chat(body, call)
+        _chat(body, call, strict)
     else:
         _completions(body, call)
+    _response_format(body, call)
+    _guided(body, call)
     if max(request.n, 1) > 1:
         if call.stream and len(request.tools) and request.tool_choice != "none":
             raise InvalidArgument("n: more than one choice is not streamed with tools")
@@ -372,20 +422,19 @@ def _logprobs(call: Call, n: int | None) -> None:
     call.names["top_logprobs"] = name
 
 
-def _chat(body: Mapping[str, Any], call: Call) -> None:
+def _chat(body: Mapping[str, Any], call: Call, strict: bool = False) -> None:
     request = call.request
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument("messages: must be a non-empty list of messages")
     for i, m in enumerate(messages):
-        request.messages.messages.append(_message(i, m))
+        request.messages.messages.append(_message(i, m, call, strict))
     call.names["input"] = "messages"
     want = _boolean(body, "logprobs")
     top = _non_negative("top_logprobs", _integer(body, "top_logprobs"))
     if top is not None and not want:
         raise InvalidArgument("top_logprobs: needs logprobs: true")
     _logprobs(call, (top or 0) if want else None)
-    _response_format(body, request)
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list):
@@ -439,12 +488,15 @@ def _content(i: int, content: Any) -> str:
     raise InvalidArgument(f"messages[{i}].content: must be a string or a list of text parts")
 
 
-def _message(i: int, m: Any) -> common_pb2.ChatMessage:
+def _message(i: int, m: Any, call: Call, strict: bool) -> common_pb2.ChatMessage:
     if not isinstance(m, dict):
         raise InvalidArgument(f"messages[{i}]: must be an object")
     for name in m:
-        if name not in ("role", "content", "name", "tool_calls", "tool_call_id"):
-            raise InvalidArgument(f"messages[{i}].{name}: unknown field")
+        if name in ("role", "content", "name", "tool_calls", "tool_call_id", *_MESSAGE_IGNORED):
+            continue
+        if strict:
+            raise InvalidArgument(f"messages[{i}].{name}: unknown field (--strict-openai)")
+        call.unknown.append(f"messages[{i}].{name}")
     role = m.get("role")
     if role not in ("system", "developer", "user", "assistant", "tool"):
         raise InvalidArgument(
@@ -476,7 +528,8 @@ def _message(i: int, m: Any) -> common_pb2.ChatMessage:
     return out
 
 
-def _response_format(body: Mapping[str, Any], request: generate_pb2.GenerateRequest) -> None:
+def _response_format(body: Mapping[str, Any], call: Call) -> None:
+    request = call.request
     fmt = _object(body, "response_format")
     if fmt is None:
         return
@@ -498,6 +551,53 @@ def _response_format(body: Mapping[str, Any], request: generate_pb2.GenerateRequ
             f"response_format.type: {json.dumps(kind)[:40]} is not one of text, json_object, "
             "json_schema"
         )
+
+
+def _guided(body: Mapping[str, Any], call: Call) -> None:
+    """vLLM's structured output: ``structured_outputs`` {json, regex, choice,
+    grammar, json_object} or the older ``guided_json``/``guided_regex``/
+    ``guided_choice``/``guided_grammar``, as the request's constraint (at
+    most one, with ``response_format`` too)."""
+    given: list[tuple[str, str, Any]] = []  # (field the client sent, kind, value)
+    outputs = _object(body, "structured_outputs")
+    for key, value in (outputs or {}).items():
+        if key in ("json", "regex", "choice", "grammar", "json_object"):
+            if value is not None and value is not False:
+                given.append((f"structured_outputs.{key}", key, value))
+        elif key not in ("disable_fallback", "disable_any_whitespace", "whitespace_pattern"):
+            raise InvalidArgument(f"structured_outputs.{key}: unknown field")
+    for name, key in _GUIDED.items():
+        if body.get(name) is not None:
+            given.append((name, key, body[name]))
+    if not given:
+        return
+    if len(given) > 1 or call.request.HasField("constraint"):
+        names = [g[0] for g in given]
+        if call.request.HasField("constraint"):
+            names.insert(0, "response_format")
+        raise InvalidArgument(f"{names[-1]}: at most one structured output; got {', '.join(names)}")
+    name, key, value = given[0]
+    c = call.request.constraint
+    if key == "json":
+        if isinstance(value, dict):
+            value = json.dumps(value)
+        if not isinstance(value, str):
+            raise InvalidArgument(f"{name}: must be a JSON Schema (an object or its JSON text)")
+        c.json_schema = value
+    elif key in ("regex", "grammar"):
+        if not isinstance(value, str):
+            raise InvalidArgument(f"{name}: must be a string")
+        setattr(c, key, value)
+    elif key == "choice":
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise InvalidArgument(f"{name}: must be a list of strings")
+        c.choice.choices.extend(value)
+    else:  # json_object
+        if value is not True:
+            raise InvalidArgument(f"{name}: must be true")
+        c.json_object = True
+    field_name = {"json": "json_schema"}.get(key, key)
+    call.names["constraint"] = call.names[f"constraint.{field_name}"] = name
 
 
 def _completions(body: Mapping[str, Any], call: Call) -> None:

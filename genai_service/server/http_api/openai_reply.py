@@ -252,7 +252,7 @@ class Reply:
             for end in ends
         ]
         body["usage"] = usage(final.usage)
-        body["system_fingerprint"] = None
+        body["system_fingerprint"] = seed_fingerprint(final.seed)
         return body
 
     def _answer(self, text: str, end: Any, index: int) -> dict[str, Any]:
@@ -369,6 +369,8 @@ class Reply:
             tail["choices"] = []
             tail["usage"] = usage(final.usage)
             chunks.append(tail)
+        for chunk in chunks:  # the seed, once it is known (the last chunks)
+            chunk["system_fingerprint"] = seed_fingerprint(final.seed)
         return chunks
 
 
@@ -380,8 +382,17 @@ def _partial_tag(text: str) -> int:
     return 0
 
 
-def models(model_id: str, created: int) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "genai-grpc"}],
-    }
+def model_object(name: str, created: int) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "genai-grpc"}
+
+
+def models(names: Sequence[str], created: int) -> dict[str, Any]:
+    """``/v1/models``: every name the model is served under (one model)."""
+    return {"object": "list", "data": [model_object(name, created) for name in names]}
+
+
+def seed_fingerprint(seed: int) -> str:
+    """``system_fingerprint``: the seed the request sampled with (the one it
+    gave, or the one the engine picked), so a sampled answer can be repeated
+    by sending it back as ``seed``; also the unary response's ``x-seed``."""
+    return f"seed-{seed}"

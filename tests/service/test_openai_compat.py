@@ -1,0 +1,296 @@
+"""What real OpenAI clients send (issue 30): every parameter of the SDK's
+``create``, an assistant message sent back as ``model_dump()`` gives it,
+fields this server does not know (accepted and logged; 400 with
+``--strict-openai``), vLLM's structured-output extras, model names, and the
+seed a sampled answer can be repeated with."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from genai_service.config import EngineConfig, ServerConfig
+from tests.server_harness import ServerThread, free_port
+
+CHAT = [{"role": "user", "content": "Hello there"}]
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+# One valid value for each parameter of the SDK's chat.completions.create
+# (openai 3.60), with the parameters it needs beside it.
+CHAT_PARAMS: dict[str, dict[str, Any]] = {
+    "audio": {"audio": {"voice": "alloy", "format": "wav"}},
+    "frequency_penalty": {"frequency_penalty": 0.1},
+    "function_call": {"function_call": "none"},
+    "functions": {"functions": [TOOL["function"]]},
+    "logit_bias": {"logit_bias": {"5": 1.0}},
+    "logprobs": {"logprobs": True},
+    "max_completion_tokens": {"max_completion_tokens": 4},
+    "max_tokens": {"max_tokens": 4},
+    "metadata": {"metadata": {"k": "v"}},
+    "modalities": {"modalities": ["text"]},
+    "moderation": {"moderation": {}},
+    "n": {"n": 2},
+    "parallel_tool_calls": {"parallel_tool_calls": False, "tools": [TOOL]},
+    "prediction": {"prediction": {"type": "content", "content": "x"}},
+    "presence_penalty": {"presence_penalty": 0.1},
+    "prompt_cache_key": {"prompt_cache_key": "k"},
+    "prompt_cache_options": {"prompt_cache_options": {}},
+    "prompt_cache_retention": {"prompt_cache_retention": "in-memory"},
+    "reasoning_effort": {"reasoning_effort": "low"},
+    "response_format": {"response_format": {"type": "json_object"}},
+    "safety_identifier": {"safety_identifier": "u1"},
+    "seed": {"seed": 7},
+    "service_tier": {"service_tier": "auto"},
+    "stop": {"stop": ["\n\n"]},
+    "store": {"store": False},
+    "stream": {"stream": True},
+    "stream_options": {
+        "stream": True,
+        "stream_options": {"include_usage": True, "include_obfuscation": False},
+    },
+    "temperature": {"temperature": 0.5},
+    "tool_choice": {"tool_choice": "none", "tools": [TOOL]},
+    "tools": {"tools": [TOOL]},
+    "top_logprobs": {"logprobs": True, "top_logprobs": 2},
+    "top_p": {"top_p": 0.9},
+    "user": {"user": "u"},
+    "verbosity": {"verbosity": "low"},
+    "web_search_options": {"web_search_options": {}},
+}
+COMPLETION_PARAMS: dict[str, dict[str, Any]] = {
+    "best_of": {"best_of": 2},
+    "echo": {"echo": True},
+    "frequency_penalty": {"frequency_penalty": 0.1},
+    "logit_bias": {"logit_bias": {"5": 1.0}},
+    "logprobs": {"logprobs": 2},
+    "max_tokens": {"max_tokens": 4},
+    "n": {"n": 2},
+    "presence_penalty": {"presence_penalty": 0.1},
+    "seed": {"seed": 7},
+    "stop": {"stop": "\n"},
+    "stream": {"stream": True},
+    "stream_options": {"stream": True, "stream_options": {"include_usage": True}},
+    "suffix": {"suffix": " and so on."},
+    "temperature": {"temperature": 0.5},
+    "top_p": {"top_p": 0.9},
+    "user": {"user": "u"},
+}
+SDK_OWN = {"messages", "model", "prompt", "extra_headers", "extra_query", "extra_body", "timeout"}
+
+
+def start(model_dir: Path, **kw: Any) -> ServerThread:
+    config = ServerConfig(
+        engine=EngineConfig(model_dir=str(model_dir)), port=free_port(), http_port=0, **kw
+    )
+    return ServerThread(config).start()
+
+
+@pytest.fixture(scope="module")
+def server(bytes_models: dict[str, Path]) -> Iterator[ServerThread]:
+    srv = start(bytes_models["rope"])
+    yield srv
+    srv.stop()
+
+
+def client_of(server: ServerThread) -> openai.OpenAI:
+    assert server.server is not None
+    url = f"http://127.0.0.1:{server.server.http_port}/v1"
+    return openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+
+
+@pytest.fixture()
+def client(server: ServerThread) -> Iterator[openai.OpenAI]:
+    with client_of(server) as c:
+        yield c
+
+
+def test_every_parameter_of_the_sdks_create_is_accepted(client: openai.OpenAI) -> None:
+    for create, params, base in (
+        (client.chat.completions.create, CHAT_PARAMS, {"messages": CHAT}),
+        (client.completions.create, COMPLETION_PARAMS, {"prompt": "The sky is"}),
+    ):
+        sdk = set(inspect.signature(create).parameters) - SDK_OWN
+        assert sdk <= set(params), f"a sample value for {sorted(sdk - set(params))}"
+        for name in sorted(sdk):
+            args = {"model": "default", "max_tokens": 4, **base, **params[name]}
+            if name == "suffix":  # this model has no FIM tokens (test_fim.py has one that has)
+                with pytest.raises(openai.BadRequestError) as err:
+                    create(**args)
+                assert err.value.body["param"] == "suffix"  # type: ignore[index]
+                continue
+            reply = create(**args)
+            if args.get("stream"):
+                chunks = list(reply)
+                assert chunks and chunks[-1].system_fingerprint, name
+            else:
+                assert reply.choices and reply.usage is not None, name
+
+
+def test_an_assistant_message_sent_back_as_model_dump(client: openai.OpenAI) -> None:
+    """The most common multi-turn idiom: the SDK's message object, dumped, with
+    its null keys (refusal, function_call, audio, annotations)."""
+    first = client.chat.completions.create(model="default", messages=CHAT, max_tokens=4)
+    dumped = first.choices[0].message.model_dump()
+    assert {"refusal", "function_call", "audio", "annotations"} <= set(dumped)
+    messages = [*CHAT, dumped, {"role": "user", "content": "And then?"}]
+    second = client.chat.completions.create(model="default", messages=messages, max_tokens=4)
+    assert second.choices[0].message.content is not None
+    dumped["annotations"] = []
+    dumped["refusal"] = None
+    third = client.chat.completions.create(
+        model="default", messages=[*CHAT, dumped, *messages[2:]], max_tokens=4, temperature=0
+    )
+    again = client.chat.completions.create(
+        model="default",
+        messages=[*CHAT, {"role": "assistant", "content": dumped["content"]}, *messages[2:]],
+        max_tokens=4,
+        temperature=0,
+    )
+    assert third.choices[0].message.content == again.choices[0].message.content
+
+
+def test_unknown_fields_are_accepted_and_logged_unless_strict(
+    client: openai.OpenAI, bytes_models: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    extra = {
+        "frobnicate": 1,
+        "chat_template_kwargs": {"enable_thinking": False},
+        "add_generation_prompt": True,
+        "continuous_usage_stats": True,
+        "use_beam_search": False,
+    }
+    plain = client.chat.completions.create(
+        model="default", messages=CHAT, max_tokens=5, temperature=0
+    )
+    sent = client.chat.completions.create(
+        model="default", messages=CHAT, max_tokens=5, temperature=0, extra_body=extra
+    )
+    assert sent.choices[0].message.content == plain.choices[0].message.content
+    logged = capsys.readouterr().out
+    assert "openai_fields_ignored" in logged and "frobnicate" in logged
+    assert "use_beam_search" in logged and "chat_template_kwargs" not in logged
+    strict = start(bytes_models["rope"], strict_openai=True)
+    try:
+        with client_of(strict) as c:
+            with pytest.raises(openai.BadRequestError) as err:
+                c.chat.completions.create(
+                    model="default", messages=CHAT, max_tokens=5, extra_body={"frobnicate": 1}
+                )
+            body = err.value.body
+            assert isinstance(body, dict) and body["param"] == "frobnicate"
+            assert body["message"] == "frobnicate: unknown field (--strict-openai)"
+            # The fields the SDK itself sends are never refused.
+            c.chat.completions.create(model="default", messages=CHAT, max_tokens=2, user="u")
+    finally:
+        strict.stop()
+
+
+def test_vllm_structured_outputs_and_response_format_on_completions(
+    client: openai.OpenAI,
+) -> None:
+    for extra, check in (
+        ({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+        ({"structured_outputs": {"choice": ["red", "blue"]}}, lambda t: t in ("red", "blue")),
+        ({"structured_outputs": {"regex": "[0-9]{3}"}}, lambda t: re.fullmatch("[0-9]{3}", t)),
+        (
+            {"guided_json": {"type": "object", "properties": {"a": {"type": "integer"}},
+                             "required": ["a"], "additionalProperties": False}},
+            lambda t: isinstance(json.loads(t)["a"], int),
+        ),
+    ):  # fmt: skip
+        r = client.chat.completions.create(
+            model="default", messages=CHAT, max_tokens=40, extra_body=extra
+        )
+        text = r.choices[0].message.content or ""
+        assert check(text), (extra, text)
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["a"],
+        "additionalProperties": False,
+        "x-guidance": {"whitespace_flexible": False},
+    }
+    r = client.completions.create(
+        model="default",
+        prompt="Data: ",
+        max_tokens=40,
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}},
+    )
+    assert r.choices[0].finish_reason == "stop" and 0 <= json.loads(r.choices[0].text)["a"] <= 9
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model="default",
+            messages=CHAT,
+            response_format={"type": "json_object"},
+            extra_body={"guided_regex": "a+"},
+        )
+    assert err.value.body["param"] == "guided_regex"  # type: ignore[index]
+
+
+def test_model_names(
+    client: openai.OpenAI, server: ServerThread, bytes_models: dict[str, Path]
+) -> None:
+    assert server.server is not None and server.server.engine.info is not None
+    model_id = server.server.engine.info.model_id
+    assert [m.id for m in client.models.list().data] == ["default", model_id]
+    assert client.models.retrieve("default").id == "default"
+    assert client.models.retrieve(model_id).id == model_id
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("gpt-4o")
+    assert err.value.body["code"] == "model_not_found"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=2)
+    assert err.value.body == {  # type: ignore[comparison-overlap]
+        "message": "model: the model `gpt-4o` does not exist",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
+    r = client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=2)
+    assert r.model == model_id
+    named = start(bytes_models["rope"], served_model_names=("tiny", "tiny-chat"))
+    try:
+        with client_of(named) as c:
+            assert [m.id for m in c.models.list().data] == ["tiny", "tiny-chat"]
+            assert c.completions.create(model="tiny-chat", prompt="a", max_tokens=2).model == (
+                "tiny-chat"
+            )
+            with pytest.raises(openai.NotFoundError):
+                c.completions.create(model="default", prompt="a", max_tokens=2)
+    finally:
+        named.stop()
+
+
+def test_the_seed_of_a_sampled_answer_comes_back(client: openai.OpenAI) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model="default", messages=CHAT, max_tokens=8, temperature=1.0
+    )
+    first = raw.parse()
+    seed = int(raw.headers["x-seed"])
+    assert first.system_fingerprint == f"seed-{seed}"
+    again = client.chat.completions.create(
+        model="default", messages=CHAT, max_tokens=8, temperature=1.0, seed=seed
+    )
+    assert again.choices[0].message.content == first.choices[0].message.content
+    chunks = list(
+        client.chat.completions.create(
+            model="default", messages=CHAT, max_tokens=8, temperature=1.0, seed=seed, stream=True
+        )
+    )
+    assert chunks[-1].system_fingerprint == f"seed-{seed}"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (
+        first.choices[0].message.content
+    )
