@@ -270,6 +270,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="IDS",
         help="comma-separated prompt token ids instead of text",
     )
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="send PROMPT as a user message, through the model's chat template (what an "
+        "instruct model answers; plain text is continued instead)",
+    )
     gen.add_argument("-n", type=int, metavar="N", help="completions to return (printed in turn)")
     gen.add_argument(
         "--best-of", type=int, metavar="N", help="generate N, return the -n most likely"
@@ -400,9 +406,11 @@ def _generate(client: Client, args: argparse.Namespace, out: TextIO) -> int:
         if sys.stdin.isatty():
             raise ValueError("give a PROMPT, --token-ids, or a prompt on stdin")
         prompt = sys.stdin.read()
-    if options.get("tools") and prompt is not None:
-        options["messages"] = [("user", prompt)]  # tools go through the chat template
+    if (args.chat or options.get("tools")) and prompt is not None:
+        options["messages"] = [("user", prompt)]  # tools go through the chat template too
         prompt = None
+    elif args.chat:
+        raise ValueError("--chat: needs a PROMPT (text), not --token-ids or FIM")
     if args.json:
         out.write(_convert.result_to_json(client.generate(prompt, **options)) + "\n")
         return 0

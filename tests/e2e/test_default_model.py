@@ -195,3 +195,27 @@ def test_speculation_on_the_default_model(default_model_dir: Path) -> None:
     runner.release(1)
     for j, row in enumerate([first, *rows]):
         assert row[got.token_ids[j]] >= row.max() - 0.5, j
+
+
+def test_the_readmes_first_examples_print_an_answer(server: ServerThread) -> None:
+    """Issue 30: the README's first `genai generate` printed nothing (the model
+    answers a bare instruction with EOS). Its two first lines, as written
+    (the target swapped for this server's), each print a real answer."""
+    import re
+    import shlex
+    import subprocess
+    import sys
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    lines = re.findall(r"^\.venv/bin/genai --target \S+ (generate .+)$", readme, re.MULTILINE)
+    assert lines[0].startswith("generate --chat ") and lines[1].startswith("generate \"")
+    for line in lines[:2]:
+        argv = shlex.split(line.split("#")[0])
+        run = subprocess.run(
+            [sys.executable, "-m", "genai_client.cli", "--target", server.target, *argv],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert run.returncode == 0, run.stderr
+        assert len(run.stdout.split()) >= 5, (line, run.stdout)
