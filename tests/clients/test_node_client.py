@@ -48,7 +48,7 @@ def run(args: list[str], timeout_s: float, env: dict[str, str] | None = None) ->
 def built() -> None:
     for tool in ("node", "npm", "protoc"):
         require_tool(tool)
-    assert (ROOT / "protos/google/rpc/status.proto").is_file(), "run make stubs"
+    assert (ROOT / "protos/google/rpc/status.proto").is_file(), "committed: google.rpc.Status"
     run(["npm", "ci", "--no-audit", "--no-fund"], timeout_s=300)
     run(["npm", "run", "build"], timeout_s=180)
 

@@ -12,7 +12,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 protos="$here/../../protos"
 out="$here/src/gen"
 if [ ! -f "$protos/google/rpc/status.proto" ]; then
-  echo "protos/google/rpc/status.proto is missing: run 'make stubs' in the repository root" >&2
+  echo "protos/google/rpc/status.proto is missing (it is committed: a partial checkout?)" >&2
   exit 1
 fi
 command -v protoc >/dev/null || { echo "protoc is not installed (make system-deps)" >&2; exit 1; }
