@@ -74,7 +74,8 @@ setup: $(STAMP) $(PROTO_STAMP)
 
 # The Node/TypeScript client (clients/node/): npm ci from its package-lock.json,
 # TypeScript generated from protos/ (ts-proto through protoc; git-ignored), tsc.
-node-client: $(PROTO_STAMP)
+# Like go-client it needs protos/ and protoc only, not the Python venv.
+node-client:
 	cd clients/node && npm ci --no-audit --no-fund && npm run build
 
 # What the tests need beyond PyPI: the Go toolchain and the Go gRPC sources
