@@ -59,7 +59,10 @@ class ToolUse:
         tools = [t for t in self.tools if not self.forced or t.name == self.forced]
         # One embedded JSON Schema per tool (llguidance's %json), so that each
         # tool's local $refs resolve against its own $defs/definitions.
-        rules = [f"call_{i}: %json {json.dumps(call_schema(t))}" for i, t in enumerate(tools)]
+        rules = [
+            f"call_{i}: %json {json.dumps(call_schema(t, strict=True))}"
+            for i, t in enumerate(tools)
+        ]
         alternatives = " | ".join(f"call_{i}" for i in range(len(tools)))
         # The tags as JSON string literals (Lark reads those).
         open_tag, close_tag = json.dumps(TOOL_CALL_OPEN + "\n"), json.dumps("\n" + TOOL_CALL_CLOSE)
@@ -73,8 +76,9 @@ class ToolUse:
         failure names: what the constraint checker compiles (whether or not
         this request forces a call, a schema llguidance cannot take is refused)."""
         field = "tools[{}].parameters_json_schema"
+        forcing = self.required or bool(self.forced)
         return [
-            (Constraint("json_schema", json.dumps(call_schema(t))), field.format(i))
+            (Constraint("json_schema", json.dumps(call_schema(t, strict=forcing))), field.format(i))
             for i, t in enumerate(self.tools)
         ]
 
@@ -167,12 +171,46 @@ def tool_use(
     return use
 
 
-def call_schema(tool: Tool) -> dict[str, Any]:
+# Keywords whose value maps names to schemas, and those whose value is data.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_DATA_KEYWORDS = ("const", "enum", "default", "examples", "required")
+
+
+def strict_objects(schema: Any) -> Any:
+    """``schema`` with OpenAI's ``strict`` semantics for objects: every object
+    schema that lists ``properties`` and says nothing of other keys
+    (``additionalProperties``, ``patternProperties``,
+    ``unevaluatedProperties``) gets ``additionalProperties: false``, so only
+    its own properties appear, each at most once. JSON Schema's default
+    (any other key, any number of times) let a forced call of a schema
+    without it repeat a key until max_tokens (issue 30: LangChain's
+    ``bind_tools`` sends such schemas). A schema that allows more keeps them."""
+    if isinstance(schema, list):
+        return [strict_objects(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> schema
+            out[key] = {name: strict_objects(sub) for name, sub in value.items()}
+        elif key in _DATA_KEYWORDS:  # values, not schemas
+            out[key] = value
+        else:
+            out[key] = strict_objects(value)
+    open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+    if isinstance(schema.get("properties"), dict) and not any(k in schema for k in open_keys):
+        out["additionalProperties"] = False
+    return out
+
+
+def call_schema(tool: Tool, strict: bool = False) -> dict[str, Any]:
     """The JSON Schema of one call of ``tool``: ``{"name": <its name>,
     "arguments": <its parameters>}``. The parameters' ``$defs`` and
     ``definitions`` move to this schema's root and its other root-relative
-    ``$ref``s are rewritten, so every local reference still resolves."""
-    params = dict(tool.parameters)
+    ``$ref``s are rewritten, so every local reference still resolves.
+    ``strict``: the parameters under ``strict_objects`` (a forced call: the
+    grammar the answer must follow)."""
+    params = dict(strict_objects(tool.parameters) if strict else tool.parameters)
     lifted = {k: params.pop(k) for k in ("$defs", "definitions") if k in params}
 
     def rebase(node: Any) -> Any:

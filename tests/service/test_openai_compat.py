@@ -312,3 +312,71 @@ def test_the_seed_of_a_sampled_answer_comes_back(client: openai.OpenAI) -> None:
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (
         first.choices[0].message.content
     )
+
+
+LOOSE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Look a word up.",
+        # LangChain's bind_tools form: no additionalProperties, nothing required
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "word": {"type": "string", "maxLength": 6},
+                "limit": {"type": "integer", "minimum": 0, "maximum": 9},
+            },
+        },
+    },
+}
+
+
+def test_a_forced_call_with_a_non_strict_schema_finishes(client: openai.OpenAI) -> None:
+    """Issue 30: with JSON Schema's default (any other key, any number of
+    times) a forced call repeated keys until max_tokens. Forced calls follow
+    OpenAI's strict semantics: only the schema's properties, each once."""
+    for choice in ("required", {"type": "function", "function": {"name": "lookup"}}):
+        for seed in range(3):
+            r = client.chat.completions.create(
+                model="default",
+                messages=CHAT,
+                tools=[LOOSE_TOOL],
+                tool_choice=choice,  # type: ignore[arg-type]
+                max_tokens=300,
+                temperature=1.0,
+                seed=seed,
+            )
+            message = r.choices[0].message
+            assert r.choices[0].finish_reason == "tool_calls", message
+            (call,) = message.tool_calls or []
+            arguments = json.loads(call.function.arguments)  # type: ignore[union-attr]
+            assert set(arguments) <= {"word", "limit"}, arguments
+
+
+def test_a_call_cut_off_by_max_tokens_is_a_partial_tool_call(client: openai.OpenAI) -> None:
+    """Issue 30: the unary reply returned the raw call text as content and the
+    stream dropped it; both give a partial tool_calls entry, as OpenAI does."""
+    args = {
+        "model": "default",
+        "messages": CHAT,
+        "tools": [LOOSE_TOOL],
+        "tool_choice": "required",
+        # one token per byte: the tag and newline (12), then part of the name
+        "max_tokens": 24,
+        "temperature": 0,
+    }
+    r = client.chat.completions.create(**args)  # type: ignore[call-overload]
+    choice = r.choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls or []
+    assert "lookup".startswith(call.function.name) and call.function.name  # type: ignore[union-attr]
+    assert "tool_call" not in (call.function.arguments or "")  # type: ignore[union-attr]
+    chunks = list(client.chat.completions.create(**args, stream=True))  # type: ignore[call-overload]
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    last = [c for c in chunks if c.choices][-1].choices[0]
+    assert last.finish_reason == "length"
+    (streamed,) = last.delta.tool_calls or []
+    assert streamed.index == 0
+    assert streamed.function.name == call.function.name  # type: ignore[union-attr]
+    assert streamed.function.arguments == call.function.arguments  # type: ignore[union-attr]

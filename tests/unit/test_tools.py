@@ -274,3 +274,29 @@ def test_the_client_sends_openai_style_tool_calls_in_history() -> None:
         ("call_1", "get_time", {"tz": "UTC"}),
         ("call_2", "get_weather", {"city": "Rome"}),
     ]
+
+
+def test_forced_calls_follow_strict_object_semantics() -> None:
+    """Only a schema's own properties, unless it allows more (issue 30)."""
+    from genai_service.server.tools import strict_objects
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "properties": {"type": "object", "properties": {"x": {"type": "integer"}}},
+            "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {}}}},
+            "free": {"type": "object", "properties": {"a": {}}, "additionalProperties": True},
+            "kind": {"enum": [{"properties": {}}]},
+        },
+        "$defs": {"d": {"properties": {"y": {}}}},
+    }
+    strict = strict_objects(schema)
+    assert strict["additionalProperties"] is False
+    props = strict["properties"]
+    assert set(props) == {"properties", "tags", "free", "kind"}  # names untouched
+    assert props["properties"]["additionalProperties"] is False
+    assert props["tags"]["items"]["additionalProperties"] is False
+    assert props["free"]["additionalProperties"] is True  # it allows more: kept
+    assert props["kind"] == {"enum": [{"properties": {}}]}  # data, not a schema
+    assert strict["$defs"]["d"]["additionalProperties"] is False
+    assert strict_objects({"type": "object"}) == {"type": "object"}  # no properties: any

@@ -6,7 +6,9 @@ OpenAI's error object with its HTTP status.
 
 from __future__ import annotations
 
+import json
 import re
+import secrets
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -112,6 +114,30 @@ def finish_reason(final: generate_pb2.Final) -> str:
     return _FINISH.get(final.finish_reason, "stop")
 
 
+_PARTIAL_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)("?)')
+_PARTIAL_ARGUMENTS = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+def partial_call(call_text: str) -> dict[str, Any]:
+    """The ``tool_calls`` entry of a call ``max_tokens`` cut off (the text after
+    its opening tag), as OpenAI returns one: the name as far as it got, the
+    arguments' JSON text as far as it got."""
+    name, arguments = "", ""
+    m = _PARTIAL_NAME.match(call_text)
+    if m:
+        raw = m.group(1)
+        try:
+            name = json.loads(f'"{raw}"')
+        except ValueError:  # cut inside an escape
+            name = raw
+        if m.group(2):
+            rest = _PARTIAL_ARGUMENTS.match(call_text, m.end())
+            if rest:
+                arguments = call_text[rest.end() :]
+    call_id = "call_" + secrets.token_hex(12)
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
 def tool_calls(calls: Sequence[common_pb2.ToolCall]) -> list[dict[str, Any]]:
     return [
         {
@@ -184,6 +210,7 @@ class Reply:
         )
         self.buffer = ""
         self.in_call = False
+        self.call_text = ""  # a stream's text after the call's opening tag
         self.prompt_lps: Sequence[common_pb2.TokenLogprob] = ()  # the first delta's
         self.echoed = False
         self.sent_first = False
@@ -258,13 +285,20 @@ class Reply:
     def _answer(self, text: str, end: Any, index: int) -> dict[str, Any]:
         """One choice of the unary body; ``end``: its Final or Completion."""
         content: str | None = text
+        partial = None
         if self.call.kind == CHAT and end.tool_calls:
             content = text.split(TOOL_CALL_OPEN, 1)[0].strip() or None
+        elif self.hold and TOOL_CALL_OPEN in text and finish_reason(end) == "length":
+            # a call cut off by max_tokens: a partial tool_calls entry, not raw text
+            before, _, after = text.partition(TOOL_CALL_OPEN)
+            content, partial = before.strip() or None, partial_call(after)
         if self.call.kind == CHAT:
             lps = logprobs(self.call, end.logprobs)
         else:
             content, lps = self._with_echo(text, end.logprobs)
         choice = self._choice(content, lps, finish_reason(end), end, index)
+        if partial is not None:
+            choice["message"]["tool_calls"] = [partial]
         prompt_lps = self._vllm_prompt_logprobs()
         if prompt_lps is not None:
             choice["prompt_logprobs"] = prompt_lps
@@ -288,12 +322,16 @@ class Reply:
 
     def _visible(self, text: str, end: bool) -> str:
         """The part of ``text`` to stream as content (all of it without tools)."""
-        if not self.hold or self.in_call:
-            return "" if self.in_call else text
+        if self.in_call:
+            self.call_text += text
+            return ""
+        if not self.hold:
+            return text
         self.buffer += text
         at = self.buffer.find(TOOL_CALL_OPEN)
         if at >= 0:
             self.in_call = True
+            self.call_text = self.buffer[at + len(TOOL_CALL_OPEN) :]
             out, self.buffer = self.buffer[:at], ""
             return out
         keep = 0 if end else _partial_tag(self.buffer)
@@ -361,6 +399,8 @@ class Reply:
                     d["tool_calls"] = [
                         {"index": k, **c} for k, c in enumerate(tool_calls(end.tool_calls))
                     ]
+                elif i == 0 and self.in_call and finish == "length":
+                    d["tool_calls"] = [{"index": 0, **partial_call(self.call_text)}]
                 chunks.append(self._chunk(d, None, finish, i))
             else:
                 chunks.append(self._chunk("", None, finish, i))
