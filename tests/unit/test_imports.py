@@ -244,7 +244,8 @@ PART_RULES: dict[str, set[str]] = {
     # The frontend: of the engine only the process's entry point.
     f"{S}.server": SHARED | {f"{S}.guidance", f"{S}.engine.process_main", f"{S}.server", GENERATED},
     f"{S}.server.grpc_api": SHARED | {f"{S}.server.frontend", f"{S}.server.convert", GENERATED},
-    f"{S}.server.http_api": SHARED | {f"{S}.server.frontend", f"{S}.server.convert", GENERATED},
+    f"{S}.server.http_api": SHARED
+    | {f"{S}.server.frontend", f"{S}.server.convert", f"{S}.server.tools", GENERATED},
     f"{S}.convert": SHARED,
     f"{S}.launcher": {f"{S}.config", "kvstore", "genai_client"},
     f"{S}.__main__": {f"{S}.config", f"{S}.convert", f"{S}.server.app", "kvstore"},

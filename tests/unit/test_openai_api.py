@@ -183,3 +183,13 @@ def test_streamed_content_stops_where_a_tool_call_starts() -> None:
     reply.delta_chunk(generate_pb2.Delta(text="a <t"))
     (last,) = reply.final_chunks(generate_pb2.Final())
     assert last["choices"][0]["delta"]["content"] == "<t"
+
+
+def test_response_format_strict_allows_only_the_listed_properties() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    strict = parse(CHAT, {"messages": USER, "response_format": fmt}).request.constraint
+    assert json.loads(strict.json_schema)["additionalProperties"] is False
+    fmt["json_schema"]["strict"] = False  # type: ignore[index]
+    loose = parse(CHAT, {"messages": USER, "response_format": fmt}).request.constraint
+    assert "additionalProperties" not in json.loads(loose.json_schema)

@@ -14,6 +14,8 @@ from typing import Any
 from genai_common.errors import InvalidArgument
 from genai_proto.genai.v1 import common_pb2, generate_pb2
 
+from ..tools import strict_objects
+
 CHAT, COMPLETIONS = "chat", "completions"
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's: a request that sets none samples
 MAX_TOP_LOGPROBS = {CHAT: 20, COMPLETIONS: 5}  # OpenAI's bounds
@@ -545,6 +547,10 @@ def _response_format(body: Mapping[str, Any], call: Call) -> None:
             raise InvalidArgument(
                 "response_format.json_schema.schema: must be a JSON Schema object"
             )
+        if (
+            isinstance(spec, dict) and spec.get("strict") is True
+        ):  # OpenAI's strict: only the listed properties
+            schema = strict_objects(schema)
         request.constraint.json_schema = json.dumps(schema)
     else:
         raise InvalidArgument(
