@@ -380,3 +380,51 @@ def test_a_call_cut_off_by_max_tokens_is_a_partial_tool_call(client: openai.Open
     assert streamed.index == 0
     assert streamed.function.name == call.function.name  # type: ignore[union-attr]
     assert streamed.function.arguments == call.function.arguments  # type: ignore[union-attr]
+
+
+def test_a_forced_calls_arguments_stream_in_pieces(
+    client: openai.OpenAI, bytes_models: dict[str, Path]
+) -> None:
+    """Issue 30: arguments sent as they are generated (OpenAI, vLLM and
+    llama.cpp stream them), including with several tokens per delta
+    (--stream-interval 4)."""
+    coalescing = start(bytes_models["rope"], stream_interval=4)
+    try:
+        with client_of(coalescing) as c:
+            _check_streamed_call(c, min_pieces=2)
+    finally:
+        coalescing.stop()
+    _check_streamed_call(client, min_pieces=5)
+
+
+def _check_streamed_call(client: openai.OpenAI, min_pieces: int) -> None:
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "parameters": {
+                "type": "object",
+                "properties": {"word": {"type": "string", "minLength": 8, "maxLength": 12}},
+                "required": ["word"],
+            },
+        },
+    }
+    args = {
+        "model": "default",
+        "messages": CHAT,
+        "tools": [tool],
+        "tool_choice": "required",
+        "max_tokens": 200,
+        "temperature": 0,
+    }
+    whole = client.chat.completions.create(**args)  # type: ignore[call-overload]
+    (call,) = whole.choices[0].message.tool_calls or []
+    chunks = list(client.chat.completions.create(**args, stream=True))  # type: ignore[call-overload]
+    pieces = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    first, *rest = pieces
+    assert first.id and first.type == "function" and first.function.name == "lookup"  # type: ignore[union-attr]
+    assert first.function.arguments == ""  # type: ignore[union-attr]
+    assert len(rest) >= min_pieces and all(p.index == 0 and p.id is None for p in rest)
+    arguments = "".join(p.function.arguments or "" for p in rest)  # type: ignore[union-attr]
+    assert json.loads(arguments) == json.loads(call.function.arguments)  # type: ignore[union-attr]
+    assert [c for c in chunks if c.choices][-1].choices[0].finish_reason == "tool_calls"

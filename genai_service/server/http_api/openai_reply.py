@@ -210,7 +210,13 @@ class Reply:
         )
         self.buffer = ""
         self.in_call = False
-        self.call_text = ""  # a stream's text after the call's opening tag
+        self.call_text = ""  # a stream's text after the first call's opening tag
+        # A forced call (required or a named tool) is grammar-constrained, so it
+        # always parses: its name and arguments stream as they are generated.
+        # Under auto the calls come whole at the end (a model may write a tag
+        # that turns out not to be a call).
+        self.stream_calls = self.hold and call.request.tool_choice not in ("", "auto")
+        self.calls_streamed: list[dict[str, Any]] = []  # per call: id, arguments sent
         self.prompt_lps: Sequence[common_pb2.TokenLogprob] = ()  # the first delta's
         self.echoed = False
         self.sent_first = False
@@ -359,12 +365,48 @@ class Reply:
         self.text_len += len(delta.text)
         text = self._visible(delta.text, end=False)
         d: dict[str, Any] = {"content": text}
+        pieces = self._call_pieces() if self.stream_calls and self.in_call else []
+        if pieces:
+            d["tool_calls"] = pieces
         if not self.sent_role:
             d = {"role": "assistant", **d}
             self.sent_role = True
-        elif not text and lps is None:
+        elif not text and lps is None and not pieces:
             return None
         return self._chunk(d, lps, None)
+
+    def _call_pieces(self) -> list[dict[str, Any]]:
+        """What the streamed forced calls have grown by since the last chunk,
+        as OpenAI streams calls: a call's first piece has its index, id, type
+        and complete name with empty arguments, the next ones the arguments'
+        JSON text as it was generated (joined, they are the call's arguments).
+        Text after the arguments object (its closing brace, the tag) is never
+        sent as arguments."""
+        pieces: list[dict[str, Any]] = []
+        decoder = json.JSONDecoder()
+        for k, body in enumerate(self.call_text.split(TOOL_CALL_OPEN)):
+            m = _PARTIAL_NAME.match(body)
+            if not m or not m.group(2):  # the name is not complete yet
+                break
+            if k == len(self.calls_streamed):
+                call_id = "call_" + secrets.token_hex(12)
+                self.calls_streamed.append({"id": call_id, "sent": 0})
+                name = json.loads(f'"{m.group(1)}"')
+                function = {"name": name, "arguments": ""}
+                pieces.append({"index": k, "id": call_id, "type": "function", "function": function})
+            rest = _PARTIAL_ARGUMENTS.match(body, m.end())
+            if not rest:
+                break
+            region = body[rest.end() :]
+            try:
+                _, end = decoder.raw_decode(region)  # the arguments are complete
+            except ValueError:
+                end = len(region)  # still open: all of it is arguments
+            state = self.calls_streamed[k]
+            if end > state["sent"]:
+                pieces.append({"index": k, "function": {"arguments": region[state["sent"] : end]}})
+                state["sent"] = end
+        return pieces
 
     def _other_chunk(self, delta: generate_pb2.Delta) -> dict[str, Any]:
         """A chunk of choice ``delta.index`` > 0 (no tools, no echo with n > 1)."""
@@ -395,7 +437,13 @@ class Reply:
                         d["content"] = rest
                 elif i not in self.other_role:
                     d = {"role": "assistant", "content": ""}
-                if end.tool_calls:
+                if i == 0 and self.stream_calls and self.in_call:
+                    pieces = self._call_pieces()  # what is left (its pieces went out)
+                    if not self.calls_streamed and finish == "length":  # cut inside the name
+                        pieces = [{"index": 0, **partial_call(self.call_text)}]
+                    if pieces:
+                        d["tool_calls"] = pieces
+                elif end.tool_calls:
                     d["tool_calls"] = [
                         {"index": k, **c} for k, c in enumerate(tool_calls(end.tool_calls))
                     ]
