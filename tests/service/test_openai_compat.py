@@ -428,3 +428,34 @@ def _check_streamed_call(client: openai.OpenAI, min_pieces: int) -> None:
     arguments = "".join(p.function.arguments or "" for p in rest)  # type: ignore[union-attr]
     assert json.loads(arguments) == json.loads(call.function.arguments)  # type: ignore[union-attr]
     assert [c for c in chunks if c.choices][-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_langchain_openai_forced_tools_and_structured_output(server: ServerThread) -> None:
+    """What LangChain sends (issue 30): bind_tools with a forced choice and its
+    non-strict schema gives a complete call; with_structured_output parses."""
+    import langchain_openai
+    from pydantic import BaseModel, Field
+
+    class Lookup(BaseModel):
+        """Look a word up."""
+
+        word: str = Field(max_length=6)
+
+    class Pick(BaseModel):
+        n: int = Field(ge=0, le=9)
+
+    assert server.server is not None
+    chat = langchain_openai.ChatOpenAI(
+        base_url=f"http://127.0.0.1:{server.server.http_port}/v1",
+        api_key="unused",
+        model="default",
+        temperature=0,
+        max_tokens=200,
+        max_retries=0,
+    )
+    for choice in ("Lookup", "any"):
+        message = chat.bind_tools([Lookup], tool_choice=choice).invoke("Find 'cat'.")
+        (call,) = message.tool_calls
+        assert call["name"] == "Lookup" and set(call["args"]) <= {"word"}
+    picked = chat.with_structured_output(Pick).invoke("Pick a digit.")
+    assert isinstance(picked, Pick) and 0 <= picked.n <= 9
