@@ -71,3 +71,12 @@ class ServerThread:
 
     def channel(self) -> grpc.Channel:
         return grpc.insecure_channel(self.target)
+
+
+def start_http_server(model_dir: str | Path, **settings: Any) -> ServerThread:
+    """A server on ``model_dir`` with the HTTP plane on a free port too (the
+    OpenAI-compatible tests); ``settings`` are more ServerConfig fields."""
+    config = ServerConfig(
+        engine=EngineConfig(model_dir=str(model_dir)), port=free_port(), http_port=0, **settings
+    )
+    return ServerThread(config).start()

@@ -35,6 +35,17 @@ Q = GGMLQuantizationType
 ARCHS = ("llama3", "qwen2", "qwen3", "gemma3")
 
 
+def put_tensor(w: GGUFWriter, name: str, data: np.ndarray, qtype: GGMLQuantizationType) -> None:
+    """Float32 ``data`` into ``w`` as ``qtype``: F32 and F16 as arrays, any
+    other type quantized by the gguf package's own quantizer."""
+    if qtype == Q.F32:
+        w.add_tensor(name, data)
+    elif qtype == Q.F16:
+        w.add_tensor(name, data.astype(np.float16))
+    else:
+        w.add_tensor(name, gguf_quantize(data, qtype), raw_dtype=qtype)
+
+
 def byte_chars() -> list[str]:
     """GPT-2's byte → printable character table (byte-level BPE alphabet)."""
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
@@ -165,13 +176,7 @@ def write_synthetic_gguf(path: str | Path, arch: str, seed: int = 0) -> Path:
         if qtype in (Q.Q4_K, Q.Q6_K):
             w.add_tensor(name, k_quant_blocks(qtype, shape[0], shape[1], rng), raw_dtype=qtype)
             return
-        data = (rng.standard_normal(shape) * std).astype(np.float32)
-        if qtype == Q.F32:
-            w.add_tensor(name, data)
-        elif qtype == Q.F16:
-            w.add_tensor(name, data.astype(np.float16))
-        else:
-            w.add_tensor(name, gguf_quantize(data, qtype), raw_dtype=qtype)
+        put_tensor(w, name, (rng.standard_normal(shape) * std).astype(np.float32), qtype)
 
     def norm(name: str, size: int, center: float = 1.0) -> None:
         # llama.cpp stores Gemma's norm weights as 1 + weight; either way near 1

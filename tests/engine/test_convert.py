@@ -40,7 +40,7 @@ from genai_service.convert.weights import (
 )
 from genai_service.model.model_dir import load_model_spec
 from tests.llama_reference import ReferenceModel
-from tests.synthetic_gguf import MERGES, TEMPLATE, tiny_vocab
+from tests.synthetic_gguf import MERGES, TEMPLATE, put_tensor, tiny_vocab
 
 Q = GGMLQuantizationType
 FORMATS = ("fp32", "int8", "int4")
@@ -120,13 +120,7 @@ def write_tiny_gguf(
     w.add_chat_template(TEMPLATE)
 
     def add(name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType, scale: float) -> None:
-        data = (rng.standard_normal(shape) * scale).astype(np.float32)
-        if qtype == Q.F32:
-            w.add_tensor(name, data)
-        elif qtype == Q.F16:
-            w.add_tensor(name, data.astype(np.float16))
-        else:
-            w.add_tensor(name, gguf_quantize(data, qtype), raw_dtype=qtype)
+        put_tensor(w, name, (rng.standard_normal(shape) * scale).astype(np.float32), qtype)
 
     hd = HIDDEN // HEADS
     add("token_embd.weight", (len(tokens), HIDDEN), Q.Q8_0, 1.0)

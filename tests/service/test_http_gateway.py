@@ -16,19 +16,14 @@ import openai
 import pytest
 
 from genai_client import Client
-from genai_service.config import EngineConfig, ServerConfig
 from tests.conftest import require_tool
-from tests.server_harness import ServerThread, free_port
+from tests.server_harness import ServerThread, free_port, start_http_server
 
 TOKEN = "http-test-token"
 CHAT = [{"role": "user", "content": "Hello there"}]
 
 
-def start(model_dir: Path, **kw: object) -> ServerThread:
-    config = ServerConfig(
-        engine=EngineConfig(model_dir=str(model_dir)), port=free_port(), http_port=0, **kw
-    )
-    return ServerThread(config).start()
+start = start_http_server
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,7 @@ from typing import Any
 import openai
 import pytest
 
-from genai_service.config import EngineConfig, ServerConfig
-from tests.server_harness import ServerThread, free_port
+from tests.server_harness import ServerThread, start_http_server
 
 CHAT = [{"role": "user", "content": "Hello there"}]
 TOOL = {
@@ -91,11 +90,7 @@ COMPLETION_PARAMS: dict[str, dict[str, Any]] = {
 SDK_OWN = {"messages", "model", "prompt", "extra_headers", "extra_query", "extra_body", "timeout"}
 
 
-def start(model_dir: Path, **kw: Any) -> ServerThread:
-    config = ServerConfig(
-        engine=EngineConfig(model_dir=str(model_dir)), port=free_port(), http_port=0, **kw
-    )
-    return ServerThread(config).start()
+start = start_http_server
 
 
 @pytest.fixture(scope="module")
