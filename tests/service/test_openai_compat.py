@@ -454,3 +454,33 @@ def test_langchain_openai_forced_tools_and_structured_output(server: ServerThrea
         assert call["name"] == "Lookup" and set(call["args"]) <= {"word"}
     picked = chat.with_structured_output(Pick).invoke("Pick a digit.")
     assert isinstance(picked, Pick) and 0 <= picked.n <= 9
+
+
+def test_litellm_completion(server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """litellm's completion() against the HTTP port (issue 30): its OpenAI-
+    compatible provider, streamed and not, with a forced tool call."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch from the network
+    import litellm
+
+    assert server.server is not None
+    base = {
+        "model": "openai/default",
+        "api_base": f"http://127.0.0.1:{server.server.http_port}/v1",
+        "api_key": "unused",
+        "messages": CHAT,
+        "max_tokens": 8,
+        "temperature": 0,
+    }
+    r = litellm.completion(**base)
+    text = r.choices[0].message.content
+    assert text
+    streamed = "".join(
+        chunk.choices[0].delta.content or "" for chunk in litellm.completion(**base, stream=True)
+    )
+    assert streamed == text
+    r = litellm.completion(
+        **{**base, "max_tokens": 200}, tools=[LOOSE_TOOL], tool_choice="required"
+    )
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "lookup"
+    assert set(json.loads(call.function.arguments)) <= {"word", "limit"}
