@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from genai_service.config import CacheConfig, EngineConfig, SchedulerConfig
+from genai_service.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
 from tests.conftest import require_tool
-from tests.server_harness import ServerThread, secure_config
+from tests.server_harness import ServerThread, free_port, secure_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -86,3 +86,41 @@ def test_go_client_against_a_live_server(server: ServerThread, pki: Path) -> Non
         time.sleep(0.05)
     assert stats["running"] == 0 and stats["waiting"] == 0, stats
     assert stats.get("requests_aborted", 0) - before >= 1, stats
+
+
+def test_the_readmes_quick_start_runs_as_written(long_context_model_dir: Path) -> None:
+    """Issue 30: clients/go/README.md's quick start, as written (its target
+    swapped for a plaintext server's), as the body of a main package that
+    imports the client the way another GOPATH project does."""
+    import re
+    import shutil
+
+    for tool in ("go", "protoc", "protoc-gen-go", "protoc-gen-go-grpc", "make"):
+        require_tool(tool)
+    readme = (ROOT / "clients" / "go" / "README.md").read_text()
+    quick = readme.split("## Quick start", 1)[1]
+    block = re.search(r"```go\n(.*?)```", quick, re.S)
+    assert block, "no go block under Quick start"
+    engine = EngineConfig(model_dir=str(long_context_model_dir))
+    srv = ServerThread(ServerConfig(engine=engine, port=free_port())).start()
+    app = ROOT / "build" / "gopath" / "src" / "genai-readme-quickstart"
+    try:
+        env = dict(os.environ)
+        _run(["make", "go-client"], env, ROOT, timeout=300)
+        body = block.group(1).replace('"localhost:50051"', f'"{srv.target}"')
+        app.mkdir(parents=True, exist_ok=True)
+        (app / "main.go").write_text(
+            'package main\n\nimport (\n\t"context"\n\t"fmt"\n\t"log"\n\n'
+            f'\t"{GO_MODULE}/genai"\n)\n\nfunc main() {{\n\tctx := context.Background()\n'
+            + "".join(f"\t{line}\n" if line else "\n" for line in body.splitlines())
+            + "}\n"
+        )
+        env.update(
+            GO111MODULE="off", GOFLAGS="", GOPATH=f"{ROOT / 'build' / 'gopath'}:/usr/share/gocode"
+        )
+        env["PWD"] = str(app)
+        out = _run(["go", "run", "."], env, app, timeout=300)
+        assert "MAX_TOKENS" in out.stdout or "EOS_TOKEN" in out.stdout, out.stdout
+    finally:
+        srv.stop()
+        shutil.rmtree(app, ignore_errors=True)
