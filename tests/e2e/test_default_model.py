@@ -208,7 +208,7 @@ def test_the_readmes_first_examples_print_an_answer(server: ServerThread) -> Non
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     lines = re.findall(r"^\.venv/bin/genai --target \S+ (generate .+)$", readme, re.MULTILINE)
-    assert lines[0].startswith("generate --chat ") and lines[1].startswith("generate \"")
+    assert lines[0].startswith("generate --chat ") and lines[1].startswith('generate "')
     for line in lines[:2]:
         argv = shlex.split(line.split("#")[0])
         run = subprocess.run(
@@ -219,3 +219,30 @@ def test_the_readmes_first_examples_print_an_answer(server: ServerThread) -> Non
         )
         assert run.returncode == 0, run.stderr
         assert len(run.stdout.split()) >= 5, (line, run.stdout)
+
+
+def test_the_readmes_python_examples_run_as_written(
+    default_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 30: README.md's two Python blocks, as written (the address
+    swapped for this server's): the gRPC client's, and the OpenAI SDK's over
+    --http-port."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    grpc_block, http_block = re.findall(r"```python\n(.*?)```", readme, re.S)[:2]
+    config = ServerConfig(
+        engine=EngineConfig(model_dir=str(default_model_dir)), port=free_port(), http_port=0
+    )
+    srv = ServerThread(config).start()
+    try:
+        assert srv.server is not None
+        exec(grpc_block.replace("127.0.0.1:50051", srv.target), {})  # noqa: S102
+        out = capsys.readouterr().out
+        assert "red" in out.lower() and "Usage(" in out, out
+        http = http_block.replace("127.0.0.1:8000", f"127.0.0.1:{srv.server.http_port}")
+        exec(http, {})  # noqa: S102
+        out = capsys.readouterr().out
+        assert "CompletionUsage(" in out and len(out.split()) > 5, out
+    finally:
+        srv.stop()
