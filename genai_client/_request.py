@@ -55,7 +55,9 @@ class GenerateOptions(TypedDict, total=False):
     prompt keeps its first sink tokens and its last ones, this many in all;
     ``Usage.dropped_tokens`` counts the rest), ``context_overflow`` ("error":
     stop at the context window; "slide": drop the oldest tokens after the
-    sink tokens and go on; unset: the session's or the server's default).
+    sink tokens and go on; unset: the session's or the server's default),
+    ``chat_template_kwargs`` (with ``messages``: more variables for the
+    model's chat template, e.g. ``{"enable_thinking": False}`` for Qwen3).
 
     Structured output (at most one): ``json_schema`` (a JSON Schema, as a
     mapping or JSON text), ``regex``, ``grammar`` (Lark, or GBNF), ``choice``
@@ -114,6 +116,7 @@ class GenerateOptions(TypedDict, total=False):
     request_id: str | None
     cache_salt: str | None
     truncate_prompt_tokens: int | None
+    chat_template_kwargs: Mapping[str, Any] | None
     context_overflow: str | None
     json_schema: Mapping[str, Any] | str | None
     regex: str | None
@@ -275,6 +278,7 @@ def generate_request(
     cache_salt: str | None = None,
     truncate_prompt_tokens: int | None = None,
     context_overflow: str | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
     json_schema: Mapping[str, Any] | str | None = None,
     regex: str | None = None,
     grammar: str | None = None,
@@ -317,6 +321,8 @@ def generate_request(
         request.token_ids.ids.extend(token_ids)
     elif messages is not None:
         request.messages.CopyFrom(messages_proto(messages))
+    if chat_template_kwargs:
+        request.chat_template_kwargs = json.dumps(dict(chat_template_kwargs))
     else:
         request.fim.CopyFrom(
             generate_pb2.Fim(

@@ -191,6 +191,7 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> str:
         """Render ``messages`` (each with ``role`` and ``content``; optionally
         ``name``, ``tool_call_id`` and ``tool_calls`` in Hugging Face's form)
@@ -229,6 +230,8 @@ class Tokenizer:
             variables["bos_token"] = self.bos_token
         if self.eos_token is not None:
             variables["eos_token"] = self.eos_token
+        # A request's chat_template_kwargs: more variables, never the ones above.
+        variables = {**(extra or {}), **variables}
         try:
             if self._compiled is None:
                 self._compiled = _environment().from_string(self.chat_template)
@@ -250,7 +253,10 @@ class Tokenizer:
         return self._variables
 
     def render_continuation(
-        self, messages: Sequence[Mapping[str, Any]], history_ends_with: str = ""
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        history_ends_with: str = "",
+        extra: Mapping[str, Any] | None = None,
     ) -> str:
         """The text that continues an existing conversation with ``messages``.
 
@@ -270,7 +276,9 @@ class Tokenizer:
         error: InvalidArgument | None = None
         for earlier in attempts:
             try:
-                full = self.apply_chat_template([*earlier, *messages], add_generation_prompt=True)
+                full = self.apply_chat_template(
+                    [*earlier, *messages], add_generation_prompt=True, extra=extra
+                )
             except InvalidArgument as e:
                 error = e
                 continue
@@ -282,7 +290,7 @@ class Tokenizer:
             return text
         if error is not None:
             raise error
-        return self.apply_chat_template(messages, add_generation_prompt=True)
+        return self.apply_chat_template(messages, add_generation_prompt=True, extra=extra)
 
 
 # Offered to a model whose chat template does not render `tools` (docs/design.md,

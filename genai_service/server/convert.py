@@ -121,6 +121,9 @@ def prompt_token_ids(
     the first turn's rendering).
     """
     kind = request.WhichOneof("input")
+    extra = template_kwargs(request)
+    if extra and kind != "messages":
+        raise InvalidArgument("chat_template_kwargs: only with messages (the chat template)")
     continuing = session is not None and session.history_tokens > 0
     default_special = not continuing
     add_special = (
@@ -133,7 +136,9 @@ def prompt_token_ids(
         _check_size("messages", _messages_size(request.messages), max_input_chars)
         last = session.last_token_id
         ends_with = tokenizer.token_text(last) if last is not None else ""
-        text = tokenizer.render_continuation(messages_to_dicts(request.messages), ends_with)
+        text = tokenizer.render_continuation(
+            messages_to_dicts(request.messages), ends_with, extra=extra
+        )
         return tokenizer.encode(text, add_special_tokens=False), text
     if kind == "text":
         text = request.text
@@ -160,12 +165,45 @@ def prompt_token_ids(
         if offered:
             size += len(json.dumps(offered))
         _check_size("messages", size, max_input_chars)
-        text = tokenizer.apply_chat_template(messages_to_dicts(request.messages), tools=offered)
+        text = tokenizer.apply_chat_template(
+            messages_to_dicts(request.messages), tools=offered, extra=extra
+        )
         # The template carries the special tokens itself.
         return tokenizer.encode(text, add_special_tokens=False), text
     if kind == "token_ids":
         return list(request.token_ids.ids), ""
     raise InvalidArgument("input: is empty; give text, token_ids or messages")
+
+
+# The chat template's own variables (Tokenizer.apply_chat_template), which a
+# request's chat_template_kwargs may not set.
+_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+MAX_TEMPLATE_KWARGS_BYTES = 65_536
+
+
+def template_kwargs(request: generate_pb2.GenerateRequest) -> dict[str, Any]:
+    """GenerateRequest.chat_template_kwargs as the template's extra variables
+    (empty: none); INVALID_ARGUMENT for anything but a JSON object of
+    identifiers, or one that names the template's own variables."""
+    raw = request.chat_template_kwargs
+    if not raw:
+        return {}
+    size = len(raw.encode("utf-8", "surrogatepass"))
+    if size > MAX_TEMPLATE_KWARGS_BYTES:
+        raise InvalidArgument(
+            f"chat_template_kwargs: {size} bytes; allowed at most {MAX_TEMPLATE_KWARGS_BYTES}"
+        )
+    value = bounded_json.loads(raw, "chat_template_kwargs")
+    if not isinstance(value, dict):
+        raise InvalidArgument("chat_template_kwargs: must be a JSON object")
+    for key in value:
+        if not key.isidentifier():
+            raise InvalidArgument(f"chat_template_kwargs: {key[:64]!r} is not a variable name")
+        if key in _TEMPLATE_VARIABLES:
+            raise InvalidArgument(
+                f"chat_template_kwargs: {key!r} is the template's own variable; not settable"
+            )
+    return value
 
 
 def _check_size(field: str, size: int, limit: int) -> None:

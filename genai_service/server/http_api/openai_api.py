@@ -76,10 +76,8 @@ _IGNORED = {
     # Deprecated forms the SDK still has in its signature (functions → tools).
     "functions": "array",
     "function_call": "string_or_object",
-    # vLLM's extras this server has no use for: the chat template is the
-    # model's own (no kwargs, always with the generation prompt), usage is in
-    # the last chunk.
-    "chat_template_kwargs": "object",
+    # vLLM's extras this server has no use for: the chat template always adds
+    # the generation prompt, usage is in the last chunk.
     "add_generation_prompt": "boolean",
     "continuous_usage_stats": "boolean",
     "return_tokens_as_token_ids": "boolean",
@@ -144,6 +142,7 @@ _FIELDS = {
         "top_logprobs",
         "tools",
         "tool_choice",
+        "chat_template_kwargs",
     },
     COMPLETIONS: _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix", "prompt_logprobs"},
 }
@@ -426,6 +425,9 @@ def _logprobs(call: Call, n: int | None) -> None:
 
 def _chat(body: Mapping[str, Any], call: Call, strict: bool = False) -> None:
     request = call.request
+    kwargs = _object(body, "chat_template_kwargs")  # vLLM's: the template's extra variables
+    if kwargs:
+        request.chat_template_kwargs = json.dumps(kwargs)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument("messages: must be a non-empty list of messages")
