@@ -1,6 +1,7 @@
 package genai
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"strings"
@@ -131,6 +132,9 @@ type Request struct {
 	// TruncatePromptTokens: a longer prompt keeps its first sink tokens and
 	// its last ones, this many in all (Usage.DroppedTokens counts the rest).
 	TruncatePromptTokens *uint32
+	// ChatTemplateKwargs: with Messages, more variables for the model's chat
+	// template, e.g. {"enable_thinking": false} for Qwen3.
+	ChatTemplateKwargs map[string]any
 	// ContextOverflow: at the context window, "error" stops and "slide"
 	// drops the oldest tokens after the sink tokens and goes on; "": the
 	// session's or the server's default.
@@ -264,6 +268,13 @@ func (r *Request) Proto() (*pb.GenerateRequest, error) {
 		out.CacheSalt = &r.CacheSalt
 	}
 	out.TruncatePromptTokens = r.TruncatePromptTokens
+	if len(r.ChatTemplateKwargs) > 0 {
+		kwargs, err := json.Marshal(r.ChatTemplateKwargs)
+		if err != nil {
+			return nil, fmt.Errorf("genai: ChatTemplateKwargs: %w", err)
+		}
+		out.ChatTemplateKwargs = string(kwargs)
+	}
 	overflow, err := contextOverflow(r.ContextOverflow)
 	if err != nil {
 		return nil, err

@@ -21,7 +21,7 @@ func TestRequestProtoSetsOnlyWhatIsGiven(t *testing.T) {
 	full, err := (&Request{
 		TokenIDs: []uint32{5, 6}, Temperature: Ptr[float32](0.5), Seed: Ptr[uint64](7),
 		MaxNewTokens: Ptr[uint32](3), Stop: []string{"."}, Priority: "high", CacheSalt: "s",
-		Choice: []string{"yes", "no"},
+		Choice: []string{"yes", "no"}, ChatTemplateKwargs: map[string]any{"enable_thinking": false},
 	}).Proto()
 	if err != nil {
 		t.Fatal(err)
@@ -29,7 +29,8 @@ func TestRequestProtoSetsOnlyWhatIsGiven(t *testing.T) {
 	if full.GetSampling().GetTemperature() != 0.5 || full.GetSampling().GetSeed() != 7 ||
 		full.GetStopping().GetMaxNewTokens() != 3 || full.GetStopping().GetStopSequences()[0] != "." ||
 		full.GetPriority().String() != "PRIORITY_HIGH" || full.GetCacheSalt() != "s" ||
-		len(full.GetConstraint().GetChoice().GetChoices()) != 2 || len(full.GetTokenIds().GetIds()) != 2 {
+		len(full.GetConstraint().GetChoice().GetChoices()) != 2 || len(full.GetTokenIds().GetIds()) != 2 ||
+		full.GetChatTemplateKwargs() != `{"enable_thinking":false}` {
 		t.Fatalf("options lost: %v", full)
 	}
 }

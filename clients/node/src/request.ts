@@ -92,6 +92,9 @@ export interface GenerateOptions {
   cacheSalt?: string;
   /** A longer prompt keeps its first sink tokens and its last ones, this many in all. */
   truncatePromptTokens?: number;
+  /** With messages: more variables for the model's chat template, e.g.
+   * { enable_thinking: false } for Qwen3 (sent as JSON). */
+  chatTemplateKwargs?: Record<string, unknown>;
   /** At the context window: "error" stops, "slide" drops the oldest tokens
    * after the sink tokens and goes on; unset: the session's or server's default. */
   contextOverflow?: "error" | "slide";
@@ -115,7 +118,7 @@ const OPTION_NAMES: ReadonlySet<string> = new Set([
   "mirostatEta", "logitBias", "bannedTokenIds", "allowedTokenIds", "badWords", "maxNewTokens",
   "minNewTokens", "stop", "stopTokenIds", "ignoreEos", "includeStopSequence", "timeLimitMs",
   "topLogprobs", "promptLogprobs", "n", "bestOf", "priority", "addSpecialTokens", "skipSpecialTokens", "requestId", "cacheSalt",
-  "truncatePromptTokens", "contextOverflow", "jsonSchema", "regex", "grammar", "choice", "jsonObject", "tools", "toolChoice",
+  "truncatePromptTokens", "chatTemplateKwargs", "contextOverflow", "jsonSchema", "regex", "grammar", "choice", "jsonObject", "tools", "toolChoice",
 ] satisfies (keyof GenerateOptions)[]);
 
 const camel = (name: string): string => name.replace(/_([a-z])/g, (_, c: string) => c.toUpperCase());
@@ -308,6 +311,7 @@ export function generateRequest(options: GenerateOptions | string): GenerateRequ
     skipSpecialTokens: o.skipSpecialTokens,
     cacheSalt: o.cacheSalt,
     truncatePromptTokens: o.truncatePromptTokens,
+    chatTemplateKwargs: o.chatTemplateKwargs ? JSON.stringify(o.chatTemplateKwargs) : "",
     contextOverflow: contextOverflowValue(o.contextOverflow),
     constraint: constraintProto(o),
     tools: (o.tools ?? []).map(toolProto),
