@@ -321,14 +321,14 @@ def generate_request(
         request.token_ids.ids.extend(token_ids)
     elif messages is not None:
         request.messages.CopyFrom(messages_proto(messages))
-    if chat_template_kwargs:
-        request.chat_template_kwargs = json.dumps(dict(chat_template_kwargs))
     else:
         request.fim.CopyFrom(
             generate_pb2.Fim(
                 prefix=fim_prefix or "", suffix=fim_suffix or "", mode=fim_mode_proto(fim_mode)
             )
         )
+    if chat_template_kwargs:
+        request.chat_template_kwargs = json.dumps(dict(chat_template_kwargs))
     _set_optional(
         request,
         add_special_tokens=add_special_tokens,

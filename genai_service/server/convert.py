@@ -181,10 +181,15 @@ _TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token"
 MAX_TEMPLATE_KWARGS_BYTES = 65_536
 
 
-def template_kwargs(request: generate_pb2.GenerateRequest) -> dict[str, Any]:
+def template_kwargs(
+    request: generate_pb2.GenerateRequest | model_pb2.TokenizeRequest,
+) -> dict[str, Any]:
     """GenerateRequest.chat_template_kwargs as the template's extra variables
-    (empty: none); INVALID_ARGUMENT for anything but a JSON object of
-    identifiers, or one that names the template's own variables."""
+    (empty: none; a TokenizeRequest has none); INVALID_ARGUMENT for anything
+    but a JSON object of identifiers, or one that names the template's own
+    variables."""
+    if not isinstance(request, generate_pb2.GenerateRequest):
+        return {}
     raw = request.chat_template_kwargs
     if not raw:
         return {}

@@ -859,3 +859,15 @@ def test_the_decoding_surface_reaches_the_wire_from_the_client_and_the_cli(
     assert list(s.banned_token_ids) == [3, 4] and abs(s.dry_multiplier - 0.5) < 1e-6
     with pytest.raises(SystemExit):
         cli_main(["--target", fake.target, "generate", "hi", "--logit-bias", "42"])
+
+
+def test_chat_template_kwargs_go_with_the_messages(client: Client, fake: Fake) -> None:
+    client.generate(
+        messages=[("user", "hi")], max_new_tokens=2, chat_template_kwargs={"enable_thinking": False}
+    )
+    sent = fake.state.requests[-1]
+    assert sent.WhichOneof("input") == "messages"
+    assert json.loads(sent.chat_template_kwargs) == {"enable_thinking": False}
+    client.generate("plain", max_new_tokens=2)
+    sent = fake.state.requests[-1]
+    assert sent.WhichOneof("input") == "text" and sent.chat_template_kwargs == ""
