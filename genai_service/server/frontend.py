@@ -18,7 +18,7 @@ import dataclasses
 import hmac
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import structlog
@@ -171,13 +171,21 @@ class Frontend:
                     yield out
 
     async def events(
-        self, request: generate_pb2.GenerateRequest, session: SessionInfo | None = None
+        self,
+        request: generate_pb2.GenerateRequest,
+        session: SessionInfo | None = None,
+        on_prompt: Callable[[int], None] | None = None,
     ) -> AsyncGenerator[generate_pb2.Delta | generate_pb2.Final, None]:
         """A request's stream events: a Delta per output with tokens or
         text, then one Final (shared by GenerateStream, GenerateBidi and the
-        HTTP gateway, which passes the ``session`` it has read already)."""
+        HTTP gateway, which passes the ``session`` it has read already).
+        ``on_prompt`` hears the prompt's length once it is tokenized (a
+        session turn's history included; before any truncation)."""
         outputs: list[RequestOutput] = []
         built, use = await self.build_request(request, session)
+        if on_prompt is not None:
+            history = session.history_tokens if session is not None else 0
+            on_prompt(history + len(built.prompt_token_ids))
         async for out in self.outputs(built, self.stream_interval):
             outputs.append(out)
             if out.token_ids or out.text or out.prompt_logprobs:

@@ -484,3 +484,29 @@ def test_litellm_completion(server: ServerThread, monkeypatch: pytest.MonkeyPatc
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "lookup"
     assert set(json.loads(call.function.arguments)) <= {"word", "limit"}
+
+
+def test_continuous_usage_stats(client: openai.OpenAI) -> None:
+    """vLLM's stream_options.continuous_usage_stats: usage in every chunk,
+    the completion tokens so far; the last one is the request's usage."""
+    chunks = list(
+        client.chat.completions.create(
+            model="default",
+            messages=CHAT,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+        )
+    )
+    final = chunks[-1].usage
+    assert final is not None and final.completion_tokens == 6
+    counts = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+    assert len(counts) == len(chunks) and counts == sorted(counts) and counts[-1] == 6
+    assert {c.usage.prompt_tokens for c in chunks if c.usage} == {final.prompt_tokens}
+    assert all(
+        c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+        for c in chunks
+        if c.usage
+    )

@@ -366,14 +366,15 @@ class HttpGateway:
                     # OpenAI clients resend the whole conversation: a turn of a
                     # session that has history sends what follows the last answer.
                     openai_api.continue_conversation(call)
-            events = self.fe.events(call.request, session)
+            reply = openai_reply.Reply(call, model, rid)
+            on_prompt = reply.prompt_counted if call.continuous_usage else None
+            events = self.fe.events(call.request, session, on_prompt)
             # The first event before any byte goes out: a request the engine
             # refuses (bad value, queue full, busy session) gets its own HTTP
             # status rather than an error inside a 200 stream.
             first = await anext(events)
         except Exception as exc:
             return self._failure(name, exc, started, call.names if call else None)
-        reply = openai_reply.Reply(call, model, rid)
         if call.stream:
             body = self._stream(name, reply, first, events, started)
             return _EventStream(body, events, rid)

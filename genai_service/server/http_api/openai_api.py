@@ -79,7 +79,6 @@ _IGNORED = {
     # vLLM's extras this server has no use for: the chat template always adds
     # the generation prompt, usage is in the last chunk.
     "add_generation_prompt": "boolean",
-    "continuous_usage_stats": "boolean",
     "return_tokens_as_token_ids": "boolean",
     "spaces_between_special_tokens": "boolean",
     "priority": "integer",
@@ -90,7 +89,7 @@ _IGNORED = {
 # unused (a refusal is not a turn the model continues from; no audio).
 _MESSAGE_IGNORED = ("refusal", "function_call", "audio", "annotations", "reasoning_content")
 # stream_options beyond include_usage: accepted, no effect.
-_STREAM_OPTIONS_IGNORED = ("include_obfuscation", "continuous_usage_stats")
+_STREAM_OPTIONS_IGNORED = ("include_obfuscation",)
 # vLLM's structured-output fields (guided_* and their successor
 # structured_outputs), as constraints.
 _GUIDED = {
@@ -129,6 +128,7 @@ _COMMON = {
     "cache_salt",
     "truncate_prompt_tokens",
     "context_overflow",
+    "continuous_usage_stats",
     "response_format",
     "structured_outputs",
     *_GUIDED,
@@ -160,6 +160,9 @@ class Call:
     # proto field path → the JSON field the client sent (error messages name it).
     names: dict[str, str] = field(default_factory=dict)
     echo: str | None = None  # completions' echo: the prompt text, before the answer
+    # vLLM's continuous_usage_stats: usage (prompt and completion tokens so
+    # far) in every streamed chunk.
+    continuous_usage: bool = False
     # Fields the body had that this server does not know (accepted unless
     # --strict-openai; the gateway logs them).
     unknown: list[str] = field(default_factory=list)
@@ -280,13 +283,17 @@ def parse(
         if not call.stream:
             raise InvalidArgument("stream_options: only with stream: true")
         for name in options:
-            if name != "include_usage" and name not in _STREAM_OPTIONS_IGNORED:
+            known = ("include_usage", "continuous_usage_stats", *_STREAM_OPTIONS_IGNORED)
+            if name not in known:
                 if strict:
                     raise InvalidArgument(f"stream_options.{name}: unknown field (--strict-openai)")
                 call.unknown.append(f"stream_options.{name}")
         for name in _STREAM_OPTIONS_IGNORED:
             _typed(options, name, _JSON_TYPES["boolean"], "a boolean")
         call.include_usage = bool(_boolean(options, "include_usage"))
+        call.continuous_usage = bool(_boolean(options, "continuous_usage_stats"))
+    if _boolean(body, "continuous_usage_stats"):  # vLLM also takes it at the top level
+        call.continuous_usage = call.stream
     skip = _boolean(body, "skip_special_tokens")
     if skip is not None:
         request.skip_special_tokens = skip

@@ -217,11 +217,17 @@ class Reply:
         # that turns out not to be a call).
         self.stream_calls = self.hold and call.request.tool_choice not in ("", "auto")
         self.calls_streamed: list[dict[str, Any]] = []  # per call: id, arguments sent
+        self.prompt_tokens = 0  # continuous usage: the prompt's tokens, once counted
+        self.completion_tokens = 0  # continuous usage: tokens streamed so far
         self.prompt_lps: Sequence[common_pb2.TokenLogprob] = ()  # the first delta's
         self.echoed = False
         self.sent_first = False
         self.other_len: dict[int, int] = {}  # n > 1: text offsets of choices 1..
         self.other_role: set[int] = set()  # n > 1: choices whose role went out
+
+    def prompt_counted(self, n: int) -> None:
+        """The prompt's token count (Frontend.events' on_prompt)."""
+        self.prompt_tokens = n
 
     def seen(self, delta: generate_pb2.Delta) -> None:
         """Note a delta of a unary call (its prompt logprobs, on the first)."""
@@ -348,6 +354,14 @@ class Reply:
         return out
 
     def delta_chunk(self, delta: generate_pb2.Delta) -> dict[str, Any] | None:
+        self.completion_tokens += len(delta.token_ids)
+        chunk = self._delta_chunk(delta)
+        if chunk is not None and self.call.continuous_usage:
+            p, c = self.prompt_tokens, self.completion_tokens
+            chunk["usage"] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return chunk
+
+    def _delta_chunk(self, delta: generate_pb2.Delta) -> dict[str, Any] | None:
         i = delta.index  # the choice (n > 1; the others' text offsets apart)
         if i:
             return self._other_chunk(delta)
@@ -459,6 +473,8 @@ class Reply:
             chunks.append(tail)
         for chunk in chunks:  # the seed, once it is known (the last chunks)
             chunk["system_fingerprint"] = seed_fingerprint(final.seed)
+            if self.call.continuous_usage and chunk.get("usage") is None:
+                chunk["usage"] = usage(final.usage)
         return chunks
 
 
