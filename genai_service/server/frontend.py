@@ -180,12 +180,16 @@ class Frontend:
         text, then one Final (shared by GenerateStream, GenerateBidi and the
         HTTP gateway, which passes the ``session`` it has read already).
         ``on_prompt`` hears the prompt's length once it is tokenized (a
-        session turn's history included; before any truncation)."""
+        session turn's history included, ``truncate_prompt_tokens`` applied;
+        a context slide at admission is not foreseen)."""
         outputs: list[RequestOutput] = []
         built, use = await self.build_request(request, session)
         if on_prompt is not None:
             history = session.history_tokens if session is not None else 0
-            on_prompt(history + len(built.prompt_token_ids))
+            n = history + len(built.prompt_token_ids)
+            if request.HasField("truncate_prompt_tokens"):  # what the engine will keep
+                n = min(n, request.truncate_prompt_tokens)
+            on_prompt(n)
         async for out in self.outputs(built, self.stream_interval):
             outputs.append(out)
             if out.token_ids or out.text or out.prompt_logprobs:

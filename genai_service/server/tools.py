@@ -171,34 +171,50 @@ def tool_use(
     return use
 
 
-# Keywords whose value maps names to schemas, and those whose value is data.
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_DATA_KEYWORDS = ("const", "enum", "default", "examples", "required")
+# Where strict_objects looks: the keywords whose schemas each stand for a whole
+# value (a property's, an item's, a definition's, one alternative of
+# anyOf/oneOf), so that closing an object there keeps the schema's meaning.
+# Not allOf, if/then/else, not, dependentSchemas and the like: their branches
+# describe a value together with the schema around them, and closing one
+# branch would refuse the keys another allows.
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_VALUES = ("items", "additionalProperties")
+# An object whose keys may also come from these stays as it is.
+_OPEN_KEYS = (
+    "additionalProperties",
+    "patternProperties",
+    "unevaluatedProperties",
+    "allOf",
+    "$ref",
+    "if",
+    "dependentSchemas",
+)
 
 
 def strict_objects(schema: Any) -> Any:
-    """``schema`` with OpenAI's ``strict`` semantics for objects: every object
-    schema that lists ``properties`` and says nothing of other keys
-    (``additionalProperties``, ``patternProperties``,
-    ``unevaluatedProperties``) gets ``additionalProperties: false``, so only
-    its own properties appear, each at most once. JSON Schema's default
-    (any other key, any number of times) let a forced call of a schema
-    without it repeat a key until max_tokens (issue 30: LangChain's
-    ``bind_tools`` sends such schemas). A schema that allows more keeps them."""
-    if isinstance(schema, list):
-        return [strict_objects(v) for v in schema]
+    """``schema`` with OpenAI's ``strict`` semantics for objects: an object
+    schema that lists ``properties`` and says nothing of other keys gets
+    ``additionalProperties: false``, so only its own properties appear, each
+    at most once, here and in the schemas of its properties, items,
+    definitions and anyOf/oneOf alternatives. JSON Schema's default (any
+    other key, any number of times) let a forced call of a schema without it
+    repeat a key until max_tokens (issue 30: LangChain's ``bind_tools`` sends
+    such schemas). A schema that allows more keys, or takes them from
+    elsewhere (``allOf``, a ``$ref`` beside it, ``if``), keeps its meaning."""
     if not isinstance(schema, dict):
         return schema
-    out: dict[str, Any] = {}
-    for key, value in schema.items():
-        if key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> schema
-            out[key] = {name: strict_objects(sub) for name, sub in value.items()}
-        elif key in _DATA_KEYWORDS:  # values, not schemas
-            out[key] = value
-        else:
-            out[key] = strict_objects(value)
-    open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties")
-    if isinstance(schema.get("properties"), dict) and not any(k in schema for k in open_keys):
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: strict_objects(sub) for name, sub in schema[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            out[key] = [strict_objects(sub) for sub in schema[key]]
+    for key in _SCHEMA_VALUES:
+        if isinstance(schema.get(key), dict):
+            out[key] = strict_objects(schema[key])
+    if isinstance(schema.get("properties"), dict) and not any(k in schema for k in _OPEN_KEYS):
         out["additionalProperties"] = False
     return out
 

@@ -191,3 +191,19 @@ def test_a_hundred_slow_clients_are_all_closed_while_one_is_served(server: Serve
     finally:
         for s in opened:
             s.close()
+
+
+def test_a_body_sent_after_an_early_answer_leaves_no_stray_408(server: ServerThread) -> None:
+    """A response that goes out before the request's body is all in (a 404
+    here; a 401 or an oversized body alike): the rest of the body must not
+    start a header deadline that later writes a 408 nobody asked for. The
+    connection, idle again, closes with nothing more sent."""
+    with connect(server) as s:
+        s.sendall(b"POST /nowhere HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\n12345")
+        head = s.recv(65536)
+        assert head.startswith(b"HTTP/1.1 404"), head
+        time.sleep(0.2)
+        s.sendall(b"67890")  # the body's last bytes, after the answer
+        data, took = read_until_closed(s)
+    assert b"408" not in data, data
+    assert took < HEADER_S + 5

@@ -87,6 +87,10 @@ def test_bad_fields_are_named(kind: str, body: dict, param: str) -> None:
         ({"messages": USER, "frobnicate": 1}, "frobnicate"),
         ({"messages": [{"role": "user", "content": "x", "extra": 1}]}, "messages[0].extra"),
         ({"messages": USER, "stream": True, "stream_options": {"x": 1}}, "stream_options.x"),
+        (
+            {"messages": USER, "structured_outputs": {"regex": "a+", "disable_fallback": True}},
+            "structured_outputs.disable_fallback",
+        ),
     ],
 )
 def test_unknown_fields_are_listed_or_refused_when_strict(body: dict, field: str) -> None:

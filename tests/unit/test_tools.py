@@ -300,3 +300,25 @@ def test_forced_calls_follow_strict_object_semantics() -> None:
     assert props["kind"] == {"enum": [{"properties": {}}]}  # data, not a schema
     assert strict["$defs"]["d"]["additionalProperties"] is False
     assert strict_objects({"type": "object"}) == {"type": "object"}  # no properties: any
+
+
+def test_strict_objects_leave_combined_schemas_their_meaning() -> None:
+    """Closing an allOf branch (or an if) would refuse the keys the other
+    branch allows: those, and objects that take keys from them, stay open."""
+    from genai_service.server.tools import strict_objects
+
+    both = {
+        "allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}],
+        "required": ["a", "b"],
+    }
+    assert strict_objects(both) == both
+    conditional = {
+        "properties": {"kind": {}},
+        "if": {"properties": {"kind": {"const": "x"}}},
+        "then": {"required": ["kind"]},
+    }
+    assert strict_objects(conditional) == conditional
+    either = {"anyOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}
+    assert [b["additionalProperties"] for b in strict_objects(either)["anyOf"]] == [False, False]
+    with_ref = {"$ref": "#/$defs/base", "properties": {"extra": {}}}
+    assert "additionalProperties" not in strict_objects(with_ref)

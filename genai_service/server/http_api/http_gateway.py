@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
+import h11
 import prometheus_client
 import structlog
 import uvicorn
@@ -124,6 +125,7 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._header_timer: asyncio.TimerHandle | None = None
+        self._partial = False  # bytes of a request whose headers are not complete
         if len(self.connections) > self.max_connections:
             self._refuse(
                 503,
@@ -135,31 +137,45 @@ class GuardedH11Protocol(H11Protocol):
             return
         self._arm_header_timer()
 
-    def _awaiting_headers(self) -> bool:
-        return self.cycle is None or self.cycle.response_complete
+    def _waiting_for_a_request(self) -> bool:
+        """h11 waits for a request line and headers (not inside a request's
+        body, nor with a response still to finish)."""
+        return self.conn.their_state is h11.IDLE
 
     def _arm_header_timer(self) -> None:
         self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_deadline)
 
-    def data_received(self, data: bytes) -> None:
-        # The first byte of a request after an idle keep-alive wait starts its clock.
-        if self._header_timer is None and self._awaiting_headers():
-            self._arm_header_timer()
-        super().data_received(data)
-        if self._header_timer is not None and not self._awaiting_headers():
-            self._header_timer.cancel()
-            self._header_timer = None
-
-    def connection_lost(self, exc: Exception | None) -> None:
+    def _disarm(self) -> None:
         if self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None
+
+    def data_received(self, data: bytes) -> None:
+        # The first byte of a request (after an idle keep-alive wait, too)
+        # starts its clock; bytes of a body never do.
+        if self._waiting_for_a_request():
+            self._partial = True
+            if self._header_timer is None:
+                self._arm_header_timer()
+        super().data_received(data)  # (cancels uvicorn's own keep-alive timer)
+        if not self._waiting_for_a_request():  # the headers are in
+            self._partial = False
+            self._disarm()
+        elif self._header_timer is None:
+            # A body's last bytes ended the cycle after its response (an early
+            # 4xx): the connection is idle again, with no keep-alive timer left.
+            self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
         super().connection_lost(exc)
 
     def _header_deadline(self) -> None:
         self._header_timer = None
-        if self._awaiting_headers() and not self.transport.is_closing():
-            self._unset_keepalive_if_required()
+        if not self._waiting_for_a_request() or self.transport.is_closing():
+            return
+        self._unset_keepalive_if_required()
+        if self._partial or self.cycle is None:  # a request begun, or none yet
             self._refuse(
                 408,
                 "Request Timeout",
@@ -167,6 +183,9 @@ class GuardedH11Protocol(H11Protocol):
                 "allowed at most that (--http-header-timeout-s)",
                 "header_timeout",
             )
+        else:  # idle after a response: close as uvicorn's keep-alive timeout does
+            self.conn.send(h11.ConnectionClosed())
+            self.transport.close()
 
     def _refuse(self, status: int, reason: str, message: str, why: str) -> None:
         if self.on_refused is not None:
@@ -328,6 +347,9 @@ class HttpGateway:
     def _model_of(self, body: Any) -> str:
         """The name a response gives: the request's ``model`` if it is served
         (``ModelNotFound`` if not), else the first served name."""
+        if not self.config.served_model_names and self.fe.engine.info is None:
+            # the model id is not known yet: "not served" would be wrong
+            raise Unavailable("the engine is starting; retry shortly")
         served = self.served_names()
         asked = body.get("model") if isinstance(body, dict) else None
         if asked is None:

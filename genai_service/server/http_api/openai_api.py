@@ -317,7 +317,7 @@ def parse(
     else:
         _completions(body, call)
     _response_format(body, call)
-    _guided(body, call)
+    _guided(body, call, strict)
     if max(request.n, 1) > 1:
         if call.stream and len(request.tools) and request.tool_choice != "none":
             raise InvalidArgument("n: more than one choice is not streamed with tools")
@@ -568,7 +568,7 @@ def _response_format(body: Mapping[str, Any], call: Call) -> None:
         )
 
 
-def _guided(body: Mapping[str, Any], call: Call) -> None:
+def _guided(body: Mapping[str, Any], call: Call, strict: bool = False) -> None:
     """vLLM's structured output: ``structured_outputs`` {json, regex, choice,
     grammar, json_object} or the older ``guided_json``/``guided_regex``/
     ``guided_choice``/``guided_grammar``, as the request's constraint (at
@@ -579,8 +579,10 @@ def _guided(body: Mapping[str, Any], call: Call) -> None:
         if key in ("json", "regex", "choice", "grammar", "json_object"):
             if value is not None and value is not False:
                 given.append((f"structured_outputs.{key}", key, value))
-        elif key not in ("disable_fallback", "disable_any_whitespace", "whitespace_pattern"):
-            raise InvalidArgument(f"structured_outputs.{key}: unknown field")
+        elif strict:
+            raise InvalidArgument(f"structured_outputs.{key}: unknown field (--strict-openai)")
+        else:  # vLLM's options for its own backends (disable_fallback, ...): unused
+            call.unknown.append(f"structured_outputs.{key}")
     for name, key in _GUIDED.items():
         if body.get(name) is not None:
             given.append((name, key, body[name]))
