@@ -510,3 +510,28 @@ def test_continuous_usage_stats(client: openai.OpenAI) -> None:
         for c in chunks
         if c.usage
     )
+
+
+def test_a_model_name_before_the_engine_is_ready_is_unavailable_not_unknown(
+    tiny_model_dir: Path,
+) -> None:
+    """While the engine starts, the model id is not known yet: a request is
+    503 (retry), never 404 model_not_found (which clients take as final)."""
+    from types import SimpleNamespace
+
+    from genai_common.errors import Unavailable
+    from genai_service.config import EngineConfig, ServerConfig
+    from genai_service.server.http_api.http_gateway import HttpGateway, ModelNotFound
+
+    gateway = HttpGateway.__new__(HttpGateway)
+    gateway.fe = SimpleNamespace(engine=SimpleNamespace(info=None))  # type: ignore[assignment]
+    gateway.config = ServerConfig(engine=EngineConfig(model_dir=str(tiny_model_dir)))
+    with pytest.raises(Unavailable):
+        gateway._model_of({"model": "whatever-the-id-will-be"})
+    named = ServerConfig(
+        engine=EngineConfig(model_dir=str(tiny_model_dir)), served_model_names=("tiny",)
+    )
+    gateway.config = named  # names given: known without the engine
+    assert gateway._model_of({"model": "tiny"}) == "tiny"
+    with pytest.raises(ModelNotFound):
+        gateway._model_of({"model": "other"})
