@@ -164,8 +164,17 @@ class Call:
     # far) in every streamed chunk.
     continuous_usage: bool = False
     # Fields the body had that this server does not know (accepted unless
-    # --strict-openai; the gateway logs them).
+    # --strict-openai, ``strict``; the gateway logs them).
     unknown: list[str] = field(default_factory=list)
+    strict: bool = False
+
+    def unknown_field(self, path: str) -> None:
+        """A field this server does not know: listed in ``unknown``, or
+        INVALID_ARGUMENT under --strict-openai."""
+        if self.strict:
+            raise InvalidArgument(f"{path}: unknown field (--strict-openai)")
+        self.unknown.append(path)
+
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field, as asked
 
 
@@ -254,12 +263,10 @@ def parse(
         raise InvalidArgument("body: must be a JSON object")
     _check_text(body, "")
     request = generate_pb2.GenerateRequest(session_id=session_id)
-    call = Call(kind, request)
+    call = Call(kind, request, strict=strict)
     for name in body:
         if name not in _FIELDS[kind]:
-            if strict:
-                raise InvalidArgument(f"{name}: unknown field (--strict-openai)")
-            call.unknown.append(name)
+            call.unknown_field(name)
     for name, kind_of in _IGNORED.items():
         what = {"string_or_object": "a string or an object"}.get(
             kind_of, f"a{'n' if kind_of[0] in 'aoi' else ''} {kind_of}"
@@ -285,9 +292,7 @@ def parse(
         for name in options:
             known = ("include_usage", "continuous_usage_stats", *_STREAM_OPTIONS_IGNORED)
             if name not in known:
-                if strict:
-                    raise InvalidArgument(f"stream_options.{name}: unknown field (--strict-openai)")
-                call.unknown.append(f"stream_options.{name}")
+                call.unknown_field(f"stream_options.{name}")
         for name in _STREAM_OPTIONS_IGNORED:
             _typed(options, name, _JSON_TYPES["boolean"], "a boolean")
         call.include_usage = bool(_boolean(options, "include_usage"))
@@ -313,11 +318,11 @@ def parse(
     if salt is not None:
         request.cache_salt = salt
     if kind == CHAT:
-        _chat(body, call, strict)
+        _chat(body, call)
     else:
         _completions(body, call)
     _response_format(body, call)
-    _guided(body, call, strict)
+    _guided(body, call)
     if max(request.n, 1) > 1:
         if call.stream and len(request.tools) and request.tool_choice != "none":
             raise InvalidArgument("n: more than one choice is not streamed with tools")
@@ -430,7 +435,7 @@ def _logprobs(call: Call, n: int | None) -> None:
     call.names["top_logprobs"] = name
 
 
-def _chat(body: Mapping[str, Any], call: Call, strict: bool = False) -> None:
+def _chat(body: Mapping[str, Any], call: Call) -> None:
     request = call.request
     kwargs = _object(body, "chat_template_kwargs")  # vLLM's: the template's extra variables
     if kwargs:
@@ -439,7 +444,7 @@ def _chat(body: Mapping[str, Any], call: Call, strict: bool = False) -> None:
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument("messages: must be a non-empty list of messages")
     for i, m in enumerate(messages):
-        request.messages.messages.append(_message(i, m, call, strict))
+        request.messages.messages.append(_message(i, m, call))
     call.names["input"] = "messages"
     want = _boolean(body, "logprobs")
     top = _non_negative("top_logprobs", _integer(body, "top_logprobs"))
@@ -499,15 +504,12 @@ def _content(i: int, content: Any) -> str:
     raise InvalidArgument(f"messages[{i}].content: must be a string or a list of text parts")
 
 
-def _message(i: int, m: Any, call: Call, strict: bool) -> common_pb2.ChatMessage:
+def _message(i: int, m: Any, call: Call) -> common_pb2.ChatMessage:
     if not isinstance(m, dict):
         raise InvalidArgument(f"messages[{i}]: must be an object")
     for name in m:
-        if name in ("role", "content", "name", "tool_calls", "tool_call_id", *_MESSAGE_IGNORED):
-            continue
-        if strict:
-            raise InvalidArgument(f"messages[{i}].{name}: unknown field (--strict-openai)")
-        call.unknown.append(f"messages[{i}].{name}")
+        if name not in ("role", "content", "name", "tool_calls", "tool_call_id", *_MESSAGE_IGNORED):
+            call.unknown_field(f"messages[{i}].{name}")
     role = m.get("role")
     if role not in ("system", "developer", "user", "assistant", "tool"):
         raise InvalidArgument(
@@ -556,9 +558,8 @@ def _response_format(body: Mapping[str, Any], call: Call) -> None:
             raise InvalidArgument(
                 "response_format.json_schema.schema: must be a JSON Schema object"
             )
-        if (
-            isinstance(spec, dict) and spec.get("strict") is True
-        ):  # OpenAI's strict: only the listed properties
+        # OpenAI's strict: only the listed properties
+        if isinstance(spec, dict) and spec.get("strict") is True:
             schema = strict_objects(schema)
         request.constraint.json_schema = json.dumps(schema)
     else:
@@ -568,7 +569,7 @@ def _response_format(body: Mapping[str, Any], call: Call) -> None:
         )
 
 
-def _guided(body: Mapping[str, Any], call: Call, strict: bool = False) -> None:
+def _guided(body: Mapping[str, Any], call: Call) -> None:
     """vLLM's structured output: ``structured_outputs`` {json, regex, choice,
     grammar, json_object} or the older ``guided_json``/``guided_regex``/
     ``guided_choice``/``guided_grammar``, as the request's constraint (at
@@ -579,10 +580,8 @@ def _guided(body: Mapping[str, Any], call: Call, strict: bool = False) -> None:
         if key in ("json", "regex", "choice", "grammar", "json_object"):
             if value is not None and value is not False:
                 given.append((f"structured_outputs.{key}", key, value))
-        elif strict:
-            raise InvalidArgument(f"structured_outputs.{key}: unknown field (--strict-openai)")
         else:  # vLLM's options for its own backends (disable_fallback, ...): unused
-            call.unknown.append(f"structured_outputs.{key}")
+            call.unknown_field(f"structured_outputs.{key}")
     for name, key in _GUIDED.items():
         if body.get(name) is not None:
             given.append((name, key, body[name]))
