@@ -108,12 +108,17 @@ class ToolUse:
                 continue
             out.append(
                 common_pb2.ToolCall(
-                    id="call_" + secrets.token_hex(12),
+                    id=new_call_id(),
                     name=body["name"],
                     arguments_json=json.dumps(arguments, ensure_ascii=False),
                 )
             )
         return out
+
+
+def new_call_id() -> str:
+    """A tool call's id: "call_" and 24 random hex digits (OpenAI's form)."""
+    return "call_" + secrets.token_hex(12)
 
 
 def tool_use(

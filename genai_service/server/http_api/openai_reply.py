@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -17,6 +16,7 @@ from genai_common.errors import GenAIError, InvalidArgument
 from genai_proto.genai.v1 import common_pb2, generate_pb2
 
 from ...model.tokenizer import TOOL_CALL_OPEN
+from ..tools import new_call_id
 from .openai_api import CHAT, COMPLETIONS, Call
 
 _FINISH = {
@@ -118,6 +118,15 @@ _PARTIAL_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)("?)')
 _PARTIAL_ARGUMENTS = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
 
+def _name(m: re.Match[str]) -> str:
+    """The call's name as ``_PARTIAL_NAME`` matched it (JSON escapes decoded;
+    as written when it was cut inside one)."""
+    try:
+        return str(json.loads(f'"{m.group(1)}"'))
+    except ValueError:
+        return m.group(1)
+
+
 def partial_call(call_text: str) -> dict[str, Any]:
     """The ``tool_calls`` entry of a call ``max_tokens`` cut off (the text after
     its opening tag), as OpenAI returns one: the name as far as it got, the
@@ -125,17 +134,13 @@ def partial_call(call_text: str) -> dict[str, Any]:
     name, arguments = "", ""
     m = _PARTIAL_NAME.match(call_text)
     if m:
-        raw = m.group(1)
-        try:
-            name = json.loads(f'"{raw}"')
-        except ValueError:  # cut inside an escape
-            name = raw
+        name = _name(m)
         if m.group(2):
             rest = _PARTIAL_ARGUMENTS.match(call_text, m.end())
             if rest:
                 arguments = call_text[rest.end() :]
-    call_id = "call_" + secrets.token_hex(12)
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    function = {"name": name, "arguments": arguments}
+    return {"id": new_call_id(), "type": "function", "function": function}
 
 
 def tool_calls(calls: Sequence[common_pb2.ToolCall]) -> list[dict[str, Any]]:
@@ -403,10 +408,9 @@ class Reply:
             if not m or not m.group(2):  # the name is not complete yet
                 break
             if k == len(self.calls_streamed):
-                call_id = "call_" + secrets.token_hex(12)
+                call_id = new_call_id()
                 self.calls_streamed.append({"id": call_id, "sent": 0})
-                name = json.loads(f'"{m.group(1)}"')
-                function = {"name": name, "arguments": ""}
+                function = {"name": _name(m), "arguments": ""}
                 pieces.append({"index": k, "id": call_id, "type": "function", "function": function})
             rest = _PARTIAL_ARGUMENTS.match(body, m.end())
             if not rest:
