@@ -474,29 +474,28 @@ def _pair_static_cache(
     names: Mapping[str, Any],
 ) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...], StaticCacheIO]:
     """Per layer (key, value) cache inputs and outputs of a static-cache graph."""
-    per_layer: dict[str, list[str]] = {}
-    for key in ("key_cache_inputs", "value_cache_inputs"):
-        value = names[key]
-        found = value if isinstance(value, list) else _match_layers(value, list(inputs))
-        per_layer[key] = found if isinstance(found, list) else [found[i] for i in sorted(found)]
-    for key in ("key_cache_outputs", "value_cache_outputs"):
-        value = names[key]
-        found = value if isinstance(value, list) else _match_layers(value, list(outputs))
-        per_layer[key] = found if isinstance(found, list) else [found[i] for i in sorted(found)]
+    per_layer: dict[str, list[str]] = {}  # key -> the names, in layer order
+    for key in (
+        "key_cache_inputs",
+        "value_cache_inputs",
+        "key_cache_outputs",
+        "value_cache_outputs",
+    ):
+        value = names[key]  # the declared list, or a %d pattern to match
+        if isinstance(value, list):
+            per_layer[key] = value
+        else:
+            found = _match_layers(value, list(inputs if key.endswith("inputs") else outputs))
+            per_layer[key] = [found[i] for i in sorted(found)]
     counts = {key: len(v) for key, v in per_layer.items()}
     if not counts["key_cache_inputs"] or len(set(counts.values())) != 1:
         raise ModelLoadError(
             f"{model_file}: static-cache KV names do not pair up per layer ({counts})"
         )
-    for key, tensors in (
-        ("key_cache_inputs", inputs),
-        ("value_cache_inputs", inputs),
-        ("key_cache_outputs", outputs),
-        ("value_cache_outputs", outputs),
-    ):
-        for name in per_layer[key]:
+    for key, layer_names in per_layer.items():
+        tensors, where = (inputs, "input") if key.endswith("inputs") else (outputs, "output")
+        for name in layer_names:
             if name not in tensors:
-                where = "input" if key.endswith("inputs") else "output"
                 raise ModelLoadError(f"{model_file}: graph has no {where} '{name}' ({key})")
     write, lengths = names["write_indices_input"], names["kv_sequence_length_input"]
     known = {INPUT_IDS, write, lengths, *per_layer["key_cache_inputs"]}

@@ -465,9 +465,7 @@ class HttpGateway:
             self._admit(request, "GetModel")
             if self.fe.engine.info is None:
                 raise Unavailable("the engine is starting; retry shortly")
-            asked = request.path_params["model_id"]
-            if asked not in self.served_names():
-                raise ModelNotFound(f"model: the model `{asked[:256]}` does not exist")
+            asked = self._model_of({"model": request.path_params["model_id"]})
         except Exception as exc:
             return self._failure("GetModel", exc, started)
         self.fe.metrics.observe_rpc("GetModel", "OK", started)
