@@ -244,8 +244,9 @@ OK = frozenset({"OK"})
 CUT = frozenset({"OK", "CANCELLED", "DEADLINE_EXCEEDED"})
 
 
-def _ref_chain(links: int) -> dict[str, Any]:
-    """A JSON Schema whose $refs chain ``links`` deep (950 overflowed the engine's stack)."""
+def ref_chain_schema(links: int) -> dict[str, Any]:
+    """A JSON Schema whose $refs chain ``links`` deep (950 overflowed the engine's
+    stack; 3,000 in a tool's schema killed the frontend)."""
     defs: dict[str, Any] = {
         f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}}
         for i in range(links)
@@ -254,13 +255,18 @@ def _ref_chain(links: int) -> dict[str, Any]:
     return {"$defs": defs, "$ref": "#/$defs/d0"}
 
 
-_REF_CHAIN_950 = _ref_chain(950)
-# A tool schema of 3,000 chained $refs (it killed the frontend itself).
-_REF_CHAIN_TOOL = {"name": "chained", "description": "", "parameters": _ref_chain(3000)}
-# One rule more than a grammar may have.
-_RULE_CHAIN_10001 = (
-    "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(10_000)) + 'r10000: "x"\n'
-)
+def rule_chain(rules: int) -> str:
+    """A Lark grammar of ``rules`` chained rules (3,000 crashed the engine)."""
+    return (
+        "start: r0\n"
+        + "".join(f"r{i}: r{i + 1}\n" for i in range(rules - 1))
+        + (f'r{rules - 1}: "x"\n')
+    )
+
+
+_REF_CHAIN_950 = ref_chain_schema(950)
+_REF_CHAIN_TOOL = {"name": "chained", "description": "", "parameters": ref_chain_schema(3000)}
+_RULE_CHAIN_10001 = rule_chain(10_001)  # one rule more than a grammar may have
 
 
 class Worker:

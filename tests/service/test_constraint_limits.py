@@ -21,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.load import ref_chain_schema, rule_chain
 from genai_client import ChatMessage, Client, InvalidArgumentError, Tool, ToolCall
 from genai_common.errors import InvalidArgument
 from genai_service.config import EngineConfig, LimitsConfig, ServerConfig
@@ -141,23 +142,6 @@ def post(server: ServerThread, body: dict[str, Any]) -> tuple[int, Any]:
 
 def nested_items(depth: int) -> str:
     return '{"type":"array","items":' * depth + "{}" + "}" * depth
-
-
-def ref_chain_schema(links: int) -> dict[str, Any]:
-    defs: dict[str, Any] = {
-        f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}}
-        for i in range(links)
-    }
-    defs[f"d{links}"] = {"type": "string"}
-    return {"$defs": defs, "$ref": "#/$defs/d0"}
-
-
-def rule_chain(rules: int) -> str:
-    return (
-        "start: r0\n"
-        + "".join(f"r{i}: r{i + 1}\n" for i in range(rules - 1))
-        + (f'r{rules - 1}: "x"\n')
-    )
 
 
 WIDE = {
