@@ -33,8 +33,8 @@ from genai_service.engine.kv.kv_connector_memory import MemoryKvChunkStore
 from genai_service.engine.sessions.restores import PendingCall
 from tests.tiny_model import encode_words, reference_greedy
 
-DELAY_S = 1.0  # each record fetch (and prefetch) takes this long once set
-FAST_S = 0.5  # a call or a step "returns at once": far below DELAY_S on any machine
+DELAY_S = 2.0  # each record fetch (and prefetch) takes this long once set
+FAST_S = 1.0  # a call or a step "returns at once": half DELAY_S, as before
 T1 = encode_words("hello , who are you ?")
 T2 = encode_words("what is the time now ?")
 STREAM = encode_words("the old house was big and red")
