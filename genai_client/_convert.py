@@ -43,6 +43,16 @@ _FINISH_PREFIX = "FINISH_REASON_"
 _RUNNER_PREFIX = "RUNNER_KIND_"
 
 
+def _enum_name(enum: Any, value: int, prefix: str) -> str:
+    """An enum value's name without its prefix ("" for UNSPECIFIED; the number
+    for a value of a newer server that this client does not know)."""
+    try:
+        name = str(enum.Name(value)).removeprefix(prefix)
+    except ValueError:
+        return str(value)
+    return "" if name == "UNSPECIFIED" else name
+
+
 # --- generation results ------------------------------------------------------
 
 
@@ -332,21 +342,23 @@ def model_info_request() -> model_pb2.GetModelInfoRequest:
 
 def model_info_from_proto(info: model_pb2.ModelInfo) -> ModelInfo:
     layout = info.kv_layout
-    try:
-        runner = model_pb2.RunnerKind.Name(info.runner_kind).removeprefix(_RUNNER_PREFIX)
-    except ValueError:  # a newer server's runner this client does not know
-        runner = str(info.runner_kind)
+    runner = _enum_name(model_pb2.RunnerKind, info.runner_kind, _RUNNER_PREFIX)
     return ModelInfo(
         model_id=info.model_id,
         context_length=info.context_length,
         vocab_size=info.vocab_size,
         eos_token_ids=tuple(info.eos_token_ids),
         kv_layout=KvLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype),
-        runner_kind="" if runner == "UNSPECIFIED" else runner,
+        runner_kind=runner,
         has_chat_template=info.has_chat_template,
         kv_chunk_size=info.kv_chunk_size,
         fim_supported=info.fim_supported,
         attention_windows=tuple(info.attention_windows),
+        speculative_mode=_enum_name(
+            model_pb2.SpeculativeMode, info.speculative_mode, "SPECULATIVE_MODE_"
+        ),
+        speculative_tokens=info.speculative_tokens,
+        draft_model_id=info.draft_model_id,
     )
 
 

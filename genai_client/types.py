@@ -179,6 +179,11 @@ class ModelInfo:
     fim_supported: bool = False  # fill in the middle (fim_prefix/fim_suffix) works
     # per layer: sliding attention window in tokens, 0 = the whole context
     attention_windows: tuple[int, ...] = ()
+    # speculative decoding: "" (off), "PROMPT_LOOKUP", "DRAFT" or "AUTO"; the
+    # draft tokens checked per step; the draft model's id ("" without one)
+    speculative_mode: str = ""
+    speculative_tokens: int = 0
+    draft_model_id: str = ""
 
 
 @dataclass(frozen=True)

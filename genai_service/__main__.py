@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +169,36 @@ def _served_names(args: argparse.Namespace, model_dir: str) -> tuple[str, ...]:
     return ()
 
 
+def _speculation(
+    args: argparse.Namespace, named: Any, resolve: Callable[[str], Path]
+) -> SpeculationConfig:
+    """The speculation flags; a named draft model (``--draft-model default``)
+    resolves as ``--model`` does."""
+    values = flag_values(args, SpeculationConfig)
+    if values.get("draft_model") in named:
+        values["draft_model"] = str(resolve(values["draft_model"]))
+    return SpeculationConfig(**values)
+
+
+def _check_draft(engine: EngineConfig) -> None:
+    """A draft model whose vocabulary is not the target's is refused before the
+    server starts (the engine checks it again), naming the first mismatch."""
+    draft = engine.speculation.draft_model
+    if draft is None:
+        return
+    from .engine.speculation import vocabulary_mismatch
+    from .model.model_dir import load_model_spec
+    from .model.tokenizer import Tokenizer
+
+    target_spec, draft_spec = load_model_spec(engine.model_dir), load_model_spec(draft)
+    mismatch = vocabulary_mismatch(
+        Tokenizer.from_dir(target_spec.path, target_spec),
+        Tokenizer.from_dir(draft_spec.path, draft_spec),
+    )
+    if mismatch is not None:
+        raise ValueError(f"draft_model {draft}: {mismatch}")
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     model_dir = args.model
     from .convert.default_model import NAMED_MODELS, resolve_model
@@ -194,11 +224,12 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         cache=CacheConfig(**flag_values(args, CacheConfig)),
         sessions=SessionConfig(**flag_values(args, SessionConfig)),
         limits=LimitsConfig(**flag_values(args, LimitsConfig)),
-        speculation=SpeculationConfig(**flag_values(args, SpeculationConfig)),
+        speculation=_speculation(args, NAMED_MODELS, resolve_model),
         context=ContextConfig(**flag_values(args, ContextConfig)),
         kvstore=kvstore_config(args),
         **flag_values(args, EngineConfig),
     )
+    _check_draft(engine)
     return ServerConfig(
         engine=engine,
         auth_tokens=tuple(tokens),

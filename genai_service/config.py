@@ -61,15 +61,17 @@ class SchedulerConfig:
 
 
 MAX_DRAFT_TOKENS = 32  # a check of that many tokens costs several plain steps
+SPECULATIVE_MODES = ("auto", "prompt-lookup", "draft")
 
 
 @dataclass(frozen=True)
 class SpeculationConfig:
-    """Prompt-lookup speculative decoding (off unless ``num_tokens`` > 0).
+    """Speculative decoding (off unless ``num_tokens`` > 0).
 
     While at most ``max_batch`` sequences are decoding, each one's next
-    ``num_tokens`` tokens are guessed from an earlier occurrence of its last
-    ``ngram_max``..``ngram_min`` tokens in its own context, and one step checks
+    ``num_tokens`` tokens are guessed, by prompt lookup (an earlier occurrence
+    of its last ``ngram_max``..``ngram_min`` tokens in its own context) or by
+    a draft model (``draft_model``; ``mode`` says which), and one step checks
     the guess: every guessed token the model agrees with comes out of that
     step too. Tokens are chosen as without speculation; graphs whose matmuls
     round a several-token step differently (int8 activations) may break
@@ -88,13 +90,47 @@ class SpeculationConfig:
         help="speculate only while at most N sequences decode",
         metavar="N",
     )
+    draft_model: str | None = flag(
+        None,
+        help="a second, cheaper model (directory or named model) that drafts the tokens; "
+        "its vocabulary must equal the target's",
+        metavar="DIR",
+    )
+    mode: str = flag(
+        "auto",
+        name="speculative-mode",
+        help="who drafts: prompt lookup, the draft model, or auto (the draft model, prompt "
+        "lookup where its guess is longer; prompt lookup alone without --draft-model)",
+        choices=SPECULATIVE_MODES,
+    )
     ngram_max: int = 3
     ngram_min: int = 1
+
+    @property
+    def resolved_mode(self) -> str:
+        """ "" (off), "prompt-lookup", "draft" or "auto" (both)."""
+        if not self.num_tokens:
+            return ""
+        if self.mode == "auto" and self.draft_model is None:
+            return "prompt-lookup"
+        return self.mode
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(
                 f"speculation num_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {self.num_tokens}"
+            )
+        if self.mode not in SPECULATIVE_MODES:
+            raise ValueError(
+                f"speculative_mode must be one of {', '.join(SPECULATIVE_MODES)}; got {self.mode!r}"
+            )
+        if self.draft_model is not None and not self.num_tokens:
+            raise ValueError("draft_model: --draft-model needs --speculate N (draft tokens, N > 0)")
+        if self.mode == "draft" and self.draft_model is None:
+            raise ValueError("speculative_mode draft needs --draft-model DIR")
+        if self.mode == "prompt-lookup" and self.draft_model is not None:
+            raise ValueError(
+                "speculative_mode prompt-lookup never uses --draft-model (use draft or auto)"
             )
         _positive("speculation max_batch", self.max_batch)
         _positive("speculation ngram_min", self.ngram_min)

@@ -272,6 +272,11 @@ class EngineInfo:
     fim_supported: bool = False  # the tokenizer has fill-in-the-middle tokens
     # per layer: sliding attention window in tokens, 0 = the whole context
     attention_windows: tuple[int, ...] = ()
+    # speculative decoding: "" (off), "prompt-lookup", "draft" or "auto"; the
+    # draft tokens per step; the draft model's id ("" without one)
+    speculative_mode: str = ""
+    speculative_tokens: int = 0
+    draft_model_id: str = ""
 
 
 def merge_outputs(*outputs: RequestOutput) -> RequestOutput:

@@ -48,7 +48,7 @@ from .scheduler import ScheduledBatch, Scheduler
 from .sequence import SeqStatus, Sequence, new_sequence
 from .sessions.restores import HeldOutputs, ParkedRequests, PendingCall, SessionCalls
 from .sessions.sessions import Session, SessionTable, slide_turn_ends
-from .speculation import Speculation
+from .speculation import Draft, DraftModel, Speculation, vocabulary_mismatch
 from .text.token_texts import TokenTexts
 from .validation import (
     resolve_max_new_tokens,
@@ -70,7 +70,7 @@ class _Computed:
 
     plain: list[tuple[Sequence, int]]
     logits: np.ndarray | None = None
-    verified: list[tuple[Sequence, list[int], np.ndarray]] = field(default_factory=list)
+    verified: list[tuple[Sequence, Draft, np.ndarray]] = field(default_factory=list)
     masks: Future[dict[int, np.ndarray]] | None = None  # constrained rows' masks, by seq_id
 
 
@@ -160,9 +160,36 @@ class LLMEngine(InProcessDriver):
             TokenTexts(self.tokenizer.inner, self.vocab_size),
         )
         self.speculation = (
-            Speculation(config.speculation, self.runner, self.counters)
+            Speculation(config.speculation, self.runner, self.counters, self._draft_model(config))
             if config.speculation.num_tokens
             else None
+        )
+
+    def _draft_model(self, config: EngineConfig) -> DraftModel | None:
+        """The draft model's proposer (``--draft-model``): its own runner, with
+        as many slots as the target's; refused unless its vocabulary is the
+        target's, id for id and string for string."""
+        spec = config.speculation
+        if spec.draft_model is None or spec.resolved_mode not in ("draft", "auto"):
+            return None
+        draft_spec = load_model_spec(spec.draft_model)
+        mismatch = vocabulary_mismatch(
+            self.tokenizer, Tokenizer.from_dir(draft_spec.path, draft_spec)
+        )
+        if mismatch is not None:
+            raise ValueError(f"draft_model {spec.draft_model}: {mismatch}")
+        max_len = min(self.context_length, draft_spec.context_length or self.context_length)
+        runner = create_runner(
+            draft_spec, config.runner, max_slots=config.scheduler.max_num_seqs, max_len=max_len
+        )
+        return DraftModel(
+            runner,
+            model_id=draft_spec.model_id,
+            num_tokens=spec.num_tokens,
+            target_vocab=self.vocab_size,
+            max_len=max_len,
+            catchup_tokens=config.scheduler.max_num_batched_tokens,
+            parked_bytes=config.sessions.max_parked_kv_bytes,
         )
 
     def _slide_policy(self, config: EngineConfig, window: int) -> tuple[SlidePolicy | None, str]:
@@ -207,6 +234,13 @@ class LLMEngine(InProcessDriver):
             fim_supported=self.tokenizer.fim is not None,
             kv_chunk_size=self.chunk_size,
             attention_windows=self.spec.attention_windows,
+            speculative_mode=self.speculation.mode if self.speculation else "",
+            speculative_tokens=self.speculation.num_tokens if self.speculation else 0,
+            draft_model_id=(
+                self.speculation.draft.model_id
+                if self.speculation and self.speculation.draft
+                else ""
+            ),
         )
 
     def add_request(self, request: GenerationRequest) -> None:
@@ -594,12 +628,12 @@ class LLMEngine(InProcessDriver):
             ]
         )
         try:
-            verified = [
-                # The last token and the draft, in one step: [len(draft) + 1, vocab] logits.
-                (seq, draft, self.runner.verify(_step_item(seq, (seq.token_ids[-1], *draft))))
-                for seq, _ in batch.items
-                if (draft := drafts.get(seq.seq_id))
-            ]
+            checked = [(seq, drafts[seq.seq_id]) for seq, _ in batch.items if seq.seq_id in drafts]
+            # The last token and the draft, in one step: [len(draft) + 1, vocab] logits each.
+            rows = self.runner.verify_batch(
+                [_step_item(seq, (seq.token_ids[-1], *d.tokens)) for seq, d in checked]
+            )
+            verified = [(seq, d, r) for (seq, d), r in zip(checked, rows, strict=True)]
             logits: np.ndarray | None = None
             if wide:
                 logits = self._run_wide(plain, items, wide)
@@ -611,7 +645,9 @@ class LLMEngine(InProcessDriver):
                 self._fail(seq, Internal(f"model runner failed: {exc}"))
             return _Computed([])
         self.counters["steps"] += 1
-        self.counters["computed_tokens"] += batch.num_tokens + sum(map(len, drafts.values()))
+        self.counters["computed_tokens"] += batch.num_tokens + sum(
+            len(d.tokens) for d in drafts.values()
+        )
         return _Computed(plain, logits, verified, masks)
 
     def _run_wide(
@@ -768,7 +804,10 @@ class LLMEngine(InProcessDriver):
         shareable = seq.status is SeqStatus.RUNNING or seq.status is SeqStatus.COMMITTING
         seq.status = SeqStatus.FINISHED
         if self.speculation is not None:
-            self.speculation.forget(seq.seq_id)
+            if shareable and seq.session is not None:
+                self.speculation.park(seq)  # the draft's KV, for the session's next turn
+            else:
+                self.speculation.forget(seq.seq_id)
         self.scheduler.remove(seq)
         self.kv_reuse.retire(seq, shareable)
 

@@ -60,6 +60,12 @@ _RUNNER = {
     "shared_buffer": model_pb2.RUNNER_KIND_SHARED_BUFFER,
     "static_cache": model_pb2.RUNNER_KIND_STATIC_CACHE,
 }
+_SPECULATIVE_MODE = {
+    "": model_pb2.SPECULATIVE_MODE_UNSPECIFIED,
+    "prompt-lookup": model_pb2.SPECULATIVE_MODE_PROMPT_LOOKUP,
+    "draft": model_pb2.SPECULATIVE_MODE_DRAFT,
+    "auto": model_pb2.SPECULATIVE_MODE_AUTO,
+}
 
 
 def _opt(msg: object, name: str) -> object | None:
@@ -463,4 +469,7 @@ def model_info(info: EngineInfo) -> model_pb2.ModelInfo:
         kv_chunk_size=info.kv_chunk_size,
         fim_supported=info.fim_supported,
         attention_windows=list(info.attention_windows),
+        speculative_mode=_SPECULATIVE_MODE[info.speculative_mode],  # type: ignore[arg-type]
+        speculative_tokens=info.speculative_tokens,
+        draft_model_id=info.draft_model_id,
     )

@@ -34,6 +34,10 @@ VLLM_NAMES = {
 }
 
 
+# Engine counters kept per label value as "name.value": the label's name.
+_LABELS = {"spec_draft_tokens": "proposer", "spec_accepted_tokens": "proposer"}
+
+
 class _EngineStats(Collector):
     """Exposes the engine's latest counters (polled over IPC) as gauges."""
 
@@ -42,10 +46,22 @@ class _EngineStats(Collector):
         self.updated = 0.0
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
+        labelled: dict[str, GaugeMetricFamily] = {}
         for key, value in sorted(self.snapshot.items()):
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                name = "genai_engine_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                continue
+            base, _, label = key.partition(".")
+            name = "genai_engine_" + re.sub(r"[^a-zA-Z0-9_]", "_", base)
+            if label:  # "spec_draft_tokens.draft": the per-proposer counts
+                family = labelled.get(name)
+                if family is None:
+                    family = labelled[name] = GaugeMetricFamily(
+                        name, f"engine counter {base}, by {_LABELS[base]}", labels=[_LABELS[base]]
+                    )
+                family.add_metric([label], float(value))
+            elif not any(k.startswith(key + ".") for k in self.snapshot):
                 yield GaugeMetricFamily(name, f"engine counter {key}", value=float(value))
+        yield from labelled.values()
         yield from self._routing()
 
     def _routing(self) -> Iterator[GaugeMetricFamily]:

@@ -46,20 +46,20 @@ def brute_force(tokens: list[int], limit: int, sizes: range) -> list[int]:
 
 def test_draft_follows_the_latest_occurrence_of_the_longest_suffix() -> None:
     tokens = [1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3]
-    assert lookup().propose(0, tokens, 10) == [8, 5, 1]
+    assert lookup().guess(0, tokens, 10) == [8, 5, 1]
     # only the last token matches earlier: the 1-gram "7" was followed by 4
-    assert lookup().propose(0, [7, 4, 6, 6, 7], 10) == [4, 6, 6]
+    assert lookup().guess(0, [7, 4, 6, 6, 7], 10) == [4, 6, 6]
     # the 3-gram (6, 6, 7) beats the later 1-gram 7
-    assert lookup().propose(0, [6, 6, 7, 1, 7, 2, 6, 6, 7], 10) == [1, 7, 2]
+    assert lookup().guess(0, [6, 6, 7, 1, 7, 2, 6, 6, 7], 10) == [1, 7, 2]
 
 
 def test_no_draft_without_an_earlier_occurrence_or_room() -> None:
-    assert lookup().propose(0, [5, 6, 7], 10) == []  # the suffix never matches itself
-    assert lookup().propose(0, [5], 10) == []
-    assert lookup().propose(0, [1, 2, 1, 2], 0) == []  # no room left (max_new_tokens)
-    assert lookup(num_tokens=2).propose(0, [1, 2, 3, 4, 1], 10) == [2, 3]
-    assert lookup().propose(0, [1, 2, 3, 4, 1], 1) == [2]
-    assert lookup().propose(0, [1, 2, 1], 10) == [2, 1]  # continuation reaches the end
+    assert lookup().guess(0, [5, 6, 7], 10) == []  # the suffix never matches itself
+    assert lookup().guess(0, [5], 10) == []
+    assert lookup().guess(0, [1, 2, 1, 2], 0) == []  # no room left (max_new_tokens)
+    assert lookup(num_tokens=2).guess(0, [1, 2, 3, 4, 1], 10) == [2, 3]
+    assert lookup().guess(0, [1, 2, 3, 4, 1], 1) == [2]
+    assert lookup().guess(0, [1, 2, 1], 10) == [2, 1]  # continuation reaches the end
 
 
 def test_incremental_index_equals_a_fresh_scan() -> None:
@@ -67,11 +67,11 @@ def test_incremental_index_equals_a_fresh_scan() -> None:
     drafter = lookup(num_tokens=4, ngram_max=3, ngram_min=1)
     tokens = [int(t) for t in rng.integers(0, 6, 20)]
     for _ in range(200):
-        got = drafter.propose(1, tokens, 4)
+        got = drafter.guess(1, tokens, 4)
         assert got == brute_force(tokens, 4, range(1, 4))
         tokens.extend(int(t) for t in rng.integers(0, 6, int(rng.integers(1, 4))))
     drafter.forget(1)
-    assert drafter.propose(1, [3, 3], 4) == [3]  # a new index for a new context
+    assert drafter.guess(1, [3, 3], 4) == [3]  # a new index for a new context
 
 
 def test_a_sequence_whose_drafts_fail_backs_off() -> None:
@@ -79,10 +79,10 @@ def test_a_sequence_whose_drafts_fail_backs_off() -> None:
     tokens = [1, 2, 3, 1, 2]
     skipped = []
     for accepted in (0, 0, 0, 2, 0):
-        assert drafter.propose(4, tokens, 10) == [3, 1, 2]
+        assert drafter.guess(4, tokens, 10) == [3, 1, 2]
         drafter.feedback(4, accepted)
         n = 0
-        while not drafter.propose(4, tokens, 10):
+        while not drafter.guess(4, tokens, 10):
             n += 1
         skipped.append(n)
         drafter.feedback(4, 1)  # the draft after the pause was accepted
@@ -93,17 +93,17 @@ def test_a_sequence_whose_drafts_fail_backs_off() -> None:
     other = lookup()
     pauses = []
     for _ in range(7):
-        while not other.propose(5, tokens, 10):
+        while not other.guess(5, tokens, 10):
             pass
         other.feedback(5, 0)
         n = 0
-        while not other.propose(5, tokens, 10):
+        while not other.guess(5, tokens, 10):
             n += 1
         pauses.append(n)
         other.feedback(5, 0)
     assert pauses == [1, 4, 16] + [MAX_BACKOFF_STEPS] * 4
     other.forget(5)
-    assert other.propose(5, tokens, 10) == [3, 1, 2]
+    assert other.guess(5, tokens, 10) == [3, 1, 2]
 
 
 # -- the runners' verification step --------------------------------------------------------
@@ -187,8 +187,8 @@ def oracle(engine: LLMEngine, answer: tuple[int, ...], prompt_len: int, wrong: b
         draft = list(answer[done : done + min(4, limit)])
         return [(t + 1) % engine.vocab_size for t in draft] if wrong else draft
 
-    assert engine.speculation is not None
-    engine.speculation.drafter.propose = propose  # type: ignore[method-assign]
+    assert engine.speculation is not None and engine.speculation.lookup is not None
+    engine.speculation.lookup.guess = propose  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("kind", RUNNERS)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import onnxruntime as ort
@@ -18,16 +17,9 @@ from ...config import RunnerConfig
 from ...model.model_dir import ModelSpec
 from ...model.rope import RopeTable
 from ..kv.prefix_cache import KvLayers, join_chunks
+from .step_item import StepItem
 
-
-@dataclass(frozen=True)
-class StepItem:
-    """Compute ``token_ids`` for sequence ``seq_id``, whose KV currently covers
-    exactly ``start`` tokens (positions ``start .. start+len-1``)."""
-
-    seq_id: int
-    token_ids: Sequence[int]
-    start: int
+__all__ = ["ModelRunner", "PastPresentRunner", "StepItem", "make_session_options"]
 
 
 class ModelRunner(ABC):
@@ -88,6 +80,12 @@ class ModelRunner(ABC):
         """Compute ``item`` as ``run`` would and return the logits of each of its
         tokens, ``[len(token_ids), vocab]`` (speculative decoding checks a draft
         with them). Needs ``can_verify``."""
+
+    def verify_batch(self, items: Sequence[StepItem]) -> list[np.ndarray]:
+        """``verify`` for several sequences (each item its own length): item i's
+        ``[len(token_ids), vocab]`` rows. Runners that can check several
+        sequences in one ORT call override this."""
+        return [self.verify(item) for item in items]
 
     @abstractmethod
     def truncate(self, seq_id: int, n: int) -> None:

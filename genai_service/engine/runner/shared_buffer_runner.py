@@ -230,6 +230,40 @@ class SharedBufferRunner(ModelRunner):
         self._len[item.seq_id] = item.start + n
         return out[0]
 
+    def verify_batch(self, items: Sequence[StepItem]) -> list[np.ndarray]:
+        """Several sequences' tokens in one ORT call on the slot rows that span
+        them. Each row is fed as many tokens as the longest item, a shorter item
+        padded after its own tokens (whose logits are thus untouched: attention
+        is causal) and rows of other sequences in the span fed dummy tokens past
+        their KV; both land beyond each row's valid length, so the next step
+        overwrites them. One call per item instead for GroupQueryAttention
+        graphs (ORT's CPU kernel refuses several rows of several tokens over a
+        past: "batch_size must be 1 when sequence_length > 1 and past context
+        is given", onnxruntime 1.32) and when the padding would not fit inside
+        some row's buffer."""
+        if len(items) < 2 or self.spec.uses_gqa:
+            return [self.verify(item) for item in items]
+        for item in items:
+            self._admit(item)
+        n = max(len(item.token_ids) for item in items)
+        slots = [self._slot[item.seq_id] for item in items]
+        lo, hi = min(slots), max(slots) + 1
+        lens = [self._len[o] if o is not None else 0 for o in self._owner[lo:hi]]
+        if max(lens) + n > self.max_len:
+            return [self.verify(item) for item in items]
+        ids = np.zeros((hi - lo, n), np.int64)  # [rows, n]
+        for slot, item in zip(slots, items, strict=True):
+            m = len(item.token_ids)
+            ids[slot - lo, :m] = item.token_ids
+            ids[slot - lo, m:] = item.token_ids[-1]
+        out = self._run(lo, hi, ids, lens, n)  # [rows, n, vocab]
+        rows = []
+        for slot, item in zip(slots, items, strict=True):
+            m = len(item.token_ids)
+            self._len[item.seq_id] = item.start + m
+            rows.append(out[slot - lo, :m])
+        return rows
+
     def truncate(self, seq_id: int, n: int) -> None:
         held = self.kv_len(seq_id)
         if not 0 <= n <= held or seq_id not in self._slot:

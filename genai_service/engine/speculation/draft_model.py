@@ -1,0 +1,219 @@
+"""Draft-model guesses: a second, cheaper model proposes the next tokens.
+
+The draft (``--draft-model DIR``: any model directory the server loads) has
+its own runner, slots and KV, keyed by the target's ``seq_id``s. It learns
+a sequence's tokens lazily: when the sequence may speculate, the draft is
+fed what it has not seen yet (the whole prompt the first time, in chunks of
+at most ``catchup_tokens`` per step; after a check usually one or two
+tokens), then decodes its greedy guess one token at a time, all speculating
+sequences batched in each call. After the target's check, ``accepted`` cuts
+the draft's KV back to the tokens the sequence really has, as the target's
+is cut. A session turn's draft KV is parked here in host memory, by session
+id (never in the kvstore, never under the target's chunk keys), and written
+back for the next turn as far as the new context begins with it; an LRU
+bounded by bytes drops what does not fit (its next turn re-feeds the draft).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..kv.prefix_cache import KvLayers
+from ..runner.step_item import StepItem
+from ..sequence import Sequence as Seq
+from .proposer import Backoff, DraftWant, Proposer
+
+if TYPE_CHECKING:
+    from ...model.tokenizer import Tokenizer
+    from ..runner.model_runner import ModelRunner
+
+
+def vocabulary_mismatch(target: Tokenizer, draft: Tokenizer) -> str | None:
+    """Why ``draft``'s guesses cannot be read as ``target``'s tokens, or None:
+    both vocabularies must hold the same token strings under the same ids."""
+    t = {i: s for s, i in target.inner.get_vocab(with_added_tokens=True).items()}
+    d = {i: s for s, i in draft.inner.get_vocab(with_added_tokens=True).items()}
+    for i in range(max(len(t), len(d), max(t, default=-1) + 1, max(d, default=-1) + 1)):
+        if t.get(i) != d.get(i):
+            return (
+                f"token id {i} is {t.get(i)!r} in the target's vocabulary and "
+                f"{d.get(i)!r} in the draft's ({len(t)} and {len(d)} tokens); "
+                "the draft's token ids and strings must equal the target's"
+            )
+    return None
+
+
+def _kv_nbytes(layers: KvLayers) -> int:
+    return sum(k.nbytes + v.nbytes for k, v in layers)
+
+
+class DraftModel(Proposer):
+    """Greedy guesses of ``runner`` (the draft model's), ``num_tokens`` long."""
+
+    name = "draft"
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        model_id: str,
+        num_tokens: int,
+        target_vocab: int,
+        max_len: int,
+        catchup_tokens: int,
+        parked_bytes: int,
+    ) -> None:
+        self.runner = runner
+        self.model_id = model_id
+        self.num_tokens = num_tokens
+        self.target_vocab = target_vocab  # guesses stop before an id the target lacks
+        self.max_len = max_len  # the draft's context (its KV buffers' length)
+        self.catchup_tokens = catchup_tokens  # draft prefill tokens per step, all sequences
+        self.parked_bytes = parked_bytes
+        self.backoff = Backoff()
+        self._proposed_at: dict[int, int] = {}  # seq_id -> len(token_ids) at its last guess
+        # session id -> (the tokens the KV is of, their KV); LRU by bytes.
+        self._parked: OrderedDict[str, tuple[tuple[int, ...], KvLayers]] = OrderedDict()
+        self._parked_total = 0
+        self.steps = 0  # draft model calls (for tests and the bench's cost model)
+        self.catchup_fed = 0  # tokens fed to catch up (prompts, session turns)
+
+    def propose(self, wants: Sequence[DraftWant]) -> dict[int, list[int]]:
+        budget = self.catchup_tokens
+        feeds: list[tuple[Seq, list[int], int]] = []  # (seq, tokens to feed, limit)
+        for want in wants:
+            seq, limit = want.seq, min(self.num_tokens, want.limit)
+            tokens = seq.token_ids
+            if limit <= 0 or len(tokens) + limit > self.max_len:
+                continue
+            if self.backoff.pausing(seq.seq_id):
+                continue
+            held = self._held(seq)
+            todo = list(tokens[held:])  # at least the last token (its KV is never held)
+            if len(todo) > 1:
+                if len(todo) - 1 > budget:
+                    # Too far behind for this step: feed a chunk of the rest, no guess yet.
+                    if budget > 0:
+                        self._feed_chunk(seq, todo[:budget], held)
+                        budget = 0
+                    continue
+                budget -= len(todo) - 1
+            feeds.append((seq, todo, limit))
+        if not feeds:
+            return {}
+        rows = self._catch_up(
+            [(seq.seq_id, todo, len(seq.token_ids) - len(todo)) for seq, todo, _ in feeds]
+        )
+        guesses: dict[int, list[int]] = {}
+        for (seq, _, _), row in zip(feeds, rows, strict=True):
+            guesses[seq.seq_id] = [int(np.argmax(row))]
+            self._proposed_at[seq.seq_id] = len(seq.token_ids)
+        for j in range(1, max(limit for _, _, limit in feeds)):
+            going = [
+                seq
+                for seq, _, limit in feeds
+                if j < limit and guesses[seq.seq_id][-1] < self.target_vocab
+            ]
+            if not going:
+                break
+            items = [self._step(seq, guesses[seq.seq_id][-1]) for seq in going]
+            logits = self.runner.run(items)
+            self.steps += 1
+            for seq, token in zip(going, np.argmax(logits, axis=1), strict=True):
+                guesses[seq.seq_id].append(int(token))
+        for sid, guess in guesses.items():
+            cut = next((i for i, t in enumerate(guess) if t >= self.target_vocab), len(guess))
+            guesses[sid] = guess[:cut]
+        return {sid: g for sid, g in guesses.items() if g}
+
+    def _step(self, seq: Seq, token: int) -> StepItem:
+        return StepItem(seq.seq_id, (token,), self.runner.kv_len(seq.seq_id))
+
+    def _held(self, seq: Seq) -> int:
+        """Tokens of ``seq`` whose draft KV is held (a session's parked KV
+        written back on its first guess), never its last token."""
+        runner, sid = self.runner, seq.seq_id
+        held = runner.kv_len(sid)
+        if not held and seq.session is not None:
+            held = self._restore(seq)
+        last = len(seq.token_ids) - 1
+        if held > last:
+            runner.truncate(sid, last)
+            held = last
+        return held
+
+    def _catch_up(self, feeds: list[tuple[int, list[int], int]]) -> list[np.ndarray]:
+        """Feed each ``(seq_id, tokens, start)``; the logits after each one's last token."""
+        items = [StepItem(sid, tokens, start) for sid, tokens, start in feeds]
+        self.catchup_fed += sum(len(t) - 1 for _, t, _ in feeds)
+        self.steps += 1
+        longest = max(len(t) for _, t, _ in feeds)
+        if longest == 1 or len(items) == 1:
+            return list(self.runner.run(items))
+        if longest <= self.num_tokens + 2:
+            # One padded call for all rows (a prefill path would be one call each).
+            return [rows[-1] for rows in self.runner.verify_batch(items)]
+        return list(self.runner.run(items))
+
+    def _feed_chunk(self, seq: Seq, tokens: list[int], start: int) -> None:
+        self.runner.run([StepItem(seq.seq_id, tokens, start)])
+        self.steps += 1
+        self.catchup_fed += len(tokens)
+
+    def accepted(self, seq: Seq, n: int) -> None:
+        """Keep the draft KV of the tokens ``seq`` really has: its context at the
+        guess and the ``n`` guessed tokens kept (the token after them was not fed)."""
+        sid = seq.seq_id
+        self.backoff.record(sid, n)
+        at = self._proposed_at.pop(sid, None)
+        held = self.runner.kv_len(sid)
+        if at is not None and held > at + n:
+            self.runner.truncate(sid, at + n)
+
+    def forget(self, seq_id: int) -> None:
+        self.runner.release(seq_id)
+        self.backoff.forget(seq_id)
+        self._proposed_at.pop(seq_id, None)
+
+    # -- sessions ---------------------------------------------------------------------
+
+    def park(self, seq: Seq) -> None:
+        """Keep ``seq``'s draft KV for its session's next turn, then free its slot."""
+        session, sid = seq.session, seq.seq_id
+        held = min(self.runner.kv_len(sid), len(seq.token_ids))
+        if session is not None and held and self.parked_bytes:
+            layers = self.runner.read_kv(sid, 0, held)
+            self._drop_parked(session.session_id)
+            self._parked[session.session_id] = (tuple(seq.token_ids[:held]), layers)
+            self._parked_total += _kv_nbytes(layers)
+            while self._parked_total > self.parked_bytes and self._parked:
+                self._drop_parked(next(iter(self._parked)))
+        self.forget(sid)
+
+    def _restore(self, seq: Seq) -> int:
+        """Write back the parked draft KV of ``seq``'s session as far as its tokens
+        begin with the parked ones; returns the tokens held."""
+        assert seq.session is not None
+        entry = self._parked.get(seq.session.session_id)
+        if entry is None:
+            return 0
+        self._drop_parked(seq.session.session_id)
+        tokens, layers = entry
+        n = min(len(tokens), len(seq.token_ids) - 1)
+        common = next((i for i in range(n) if tokens[i] != seq.token_ids[i]), n)
+        if common:
+            self.runner.write_kv(seq.seq_id, [(k[:, :common], v[:, :common]) for k, v in layers])
+        return common
+
+    def _drop_parked(self, session_id: str) -> None:
+        entry = self._parked.pop(session_id, None)
+        if entry is not None:
+            self._parked_total -= _kv_nbytes(entry[1])
+
+    @property
+    def parked_sessions(self) -> int:
+        return len(self._parked)

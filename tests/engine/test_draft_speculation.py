@@ -1,0 +1,364 @@
+"""Speculative decoding with a draft model (``--draft-model``): the tokens are
+those of a plain decode whatever the draft guesses, greedy and seeded, batched,
+in sessions, with constraints and stop rules; the draft's KV follows the
+sequence's tokens through rejections; a draft whose vocabulary differs is
+refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from genai_service.config import EngineConfig, SchedulerConfig, SpeculationConfig
+from genai_service.contract.request import (
+    Constraint,
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    StoppingCriteria,
+)
+from genai_service.engine.engine import LLMEngine
+from genai_service.engine.runner.model_runner import PastPresentRunner, StepItem
+from genai_service.engine.speculation import DraftModel
+from genai_service.model.model_dir import load_model_spec
+from tests.tiny_model import GQA_SPEC, TinyModelSpec, build_tiny_model, encode_bytes, encode_words
+
+PROMPT = "the cat sat on the mat and the dog sat on the cat and the cat sat on the"
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
+
+
+@pytest.fixture(scope="module")
+def drafts(
+    tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, Path]
+) -> dict[str, Path]:
+    """Drafts for the GQA tiny model (same "words" vocabulary): itself (every
+    greedy guess right), one layer of it (a poor draft, the shared-buffer
+    runner), and another model's weights on plain attention (past/present)."""
+    one = build_tiny_model(
+        tmp_path_factory.mktemp("one-layer"), dataclasses.replace(GQA_SPEC, num_layers=1)
+    )
+    other = build_tiny_model(tmp_path_factory.mktemp("other"), TinyModelSpec(seed=5))
+    return {"same": tiny_models["gqa"], "one_layer": one, "other": other}
+
+
+def engine_for(
+    target: Path, draft: Path | None, num_tokens: int = 4, max_batch: int = 4, **kw: object
+) -> LLMEngine:
+    spec = (
+        SpeculationConfig(num_tokens, max_batch, draft_model=str(draft), mode="draft")
+        if draft is not None
+        else SpeculationConfig()
+    )
+    return LLMEngine(EngineConfig(model_dir=str(target), speculation=spec, **kw))  # type: ignore[arg-type]
+
+
+def request(rid: str, text: str, n: int, **kw: object) -> GenerationRequest:
+    stopping = kw.pop("stopping", StoppingCriteria(max_new_tokens=n, ignore_eos=True))
+    return GenerationRequest(rid, tuple(encode_words(text)), stopping=stopping, **kw)  # type: ignore[arg-type]
+
+
+def mixed_requests() -> list[GenerationRequest]:
+    return [
+        request("greedy", PROMPT, 48),  # alone from token 24 on (max_batch 1 speculates)
+        request("sampled", "a bird saw it and the", 24, sampling=SAMPLED),
+        request("short", "the dog", 6),
+        request("logprobs", "the mat and", 20, sampling=SAMPLED, top_logprobs=2),
+    ]
+
+
+@pytest.mark.parametrize("draft", ["same", "one_layer", "other"])
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_tokens_are_those_of_a_plain_decode(
+    draft: str, max_batch: int, tiny_models: dict[str, Path], drafts: dict[str, Path]
+) -> None:
+    target = tiny_models["gqa"]
+    plain = engine_for(target, None).run_to_completion(mixed_requests())
+    engine = engine_for(target, drafts[draft], max_batch=max_batch)
+    got = engine.run_to_completion(mixed_requests())
+    for rid, want in plain.items():
+        assert got[rid].token_ids == want.token_ids, rid
+        assert got[rid].finish_reason is want.finish_reason
+    np.testing.assert_allclose(
+        [lp.logprob for lp in got["logprobs"].logprobs],
+        [lp.logprob for lp in plain["logprobs"].logprobs],
+        atol=1e-4,
+    )
+    c = engine.counters
+    assert c["spec_draft_tokens.draft"] == c["spec_draft_tokens"] > 0
+    if draft == "same":  # its greedy guesses are the target's own greedy picks
+        assert c["spec_accepted_tokens.draft"] > 0
+    assert engine.info().speculative_mode == "draft"
+    assert engine.info().draft_model_id == drafts[draft].name
+    assert all(engine.speculation.draft.runner.kv_len(i) == 0 for i in range(8))  # type: ignore[union-attr]
+
+
+def test_a_right_draft_gives_k_plus_one_tokens_per_step(
+    tiny_models: dict[str, Path], drafts: dict[str, Path]
+) -> None:
+    engine = engine_for(tiny_models["gqa"], drafts["same"], num_tokens=4)
+    engine.add_request(request("a", PROMPT, 13))
+    steps = []
+    while engine.has_unfinished():
+        outs = [o for o in engine.step() if o.request_id == "a" and o.token_ids]
+        steps.extend(len(o.token_ids) for o in outs)
+    # prefill gives the first token; then 4 guesses + 1 per step; 12 left = 5 + 5 + 2
+    assert steps == [1, 5, 5, 2]
+    assert engine.counters["spec_accepted_tokens"] == engine.counters["spec_draft_tokens"] == 9
+
+
+def draft_kv_matches_a_recompute(engine: LLMEngine, rid: str, draft_dir: Path) -> int:
+    """The draft's KV of a running sequence is that of a fresh prefill of the
+    tokens it claims to hold: rejected guesses never stay in it."""
+    seq = engine._requests[rid]
+    draft = engine.speculation.draft  # type: ignore[union-attr]
+    assert draft is not None
+    held = draft.runner.kv_len(seq.seq_id)
+    assert held <= len(seq.token_ids) - 1
+    if held:
+        fresh = PastPresentRunner(load_model_spec(draft_dir), engine.config.runner)
+        fresh.run([StepItem(0, seq.token_ids[:held], 0)])
+        for (k1, v1), (k2, v2) in zip(
+            draft.runner.read_kv(seq.seq_id, 0, held), fresh.read_kv(0, 0, held), strict=True
+        ):
+            np.testing.assert_allclose(k1, k2, atol=1e-4)
+            np.testing.assert_allclose(v1, v2, atol=1e-4)
+    return held
+
+
+def test_the_drafts_kv_is_rolled_back_with_the_targets(
+    tiny_models: dict[str, Path], drafts: dict[str, Path]
+) -> None:
+    engine = engine_for(tiny_models["gqa"], drafts["one_layer"], num_tokens=3)
+    engine.add_request(request("a", PROMPT, 40))
+    checked = 0
+    while engine.has_unfinished():
+        engine.step()
+        if "a" in engine._requests:
+            checked += draft_kv_matches_a_recompute(engine, "a", drafts["one_layer"]) > 0
+    assert checked > 5
+    assert engine.counters["spec_draft_tokens"] > engine.counters["spec_accepted_tokens"]
+
+
+def test_a_draft_whose_guesses_fail_backs_off(
+    tiny_models: dict[str, Path], drafts: dict[str, Path]
+) -> None:
+    engine = engine_for(tiny_models["gqa"], drafts["other"], num_tokens=4)
+    got = engine.generate(request("a", PROMPT, 60))
+    assert len(got.token_ids) == 60
+    c = engine.counters
+    assert c["spec_accepted_tokens"] < c["spec_draft_tokens"] / 4  # a poor draft indeed
+    # Backing off 1, 2, 4 ... 16 steps after each failed guess: far fewer guesses than steps.
+    assert c["spec_draft_tokens"] / 4 < 30
+
+
+def test_session_turns_keep_the_drafts_kv(
+    tiny_models: dict[str, Path], drafts: dict[str, Path]
+) -> None:
+    texts = (PROMPT, "and the dog sat on the", "the bird saw the cat")
+    results = {}
+    for draft in (None, drafts["same"]):
+        engine = engine_for(tiny_models["gqa"], draft)
+        sid = engine.create_session().session_id
+        turns = [
+            engine.generate(request(f"t{i}", t, 12, session_id=sid)) for i, t in enumerate(texts)
+        ]
+        results[draft] = [(t.token_ids, t.usage.cached_tokens) for t in turns]
+        while engine.has_unfinished():  # the last turn's commit step
+            engine.step()
+        if draft is not None:
+            spec = engine.speculation.draft  # type: ignore[union-attr]
+            assert isinstance(spec, DraftModel)
+            assert spec.parked_sessions == 1
+            # The draft was fed the first prompt and then, each turn, only what
+            # was new to it: never the history again.
+            history = len(encode_words(PROMPT)) + sum(12 + len(t.split()) for t in texts[1:]) + 12
+            assert spec.catchup_fed <= history
+    assert results[None] == results[drafts["same"]]
+
+
+def test_a_rewound_session_reuses_the_drafts_kv_only_as_far_as_it_agrees(
+    tiny_models: dict[str, Path], drafts: dict[str, Path]
+) -> None:
+    outs = {}
+    for draft in (None, drafts["same"]):
+        engine = engine_for(tiny_models["gqa"], draft)
+        sid = engine.create_session().session_id
+        engine.generate(request("t0", PROMPT, 10, session_id=sid))
+        engine.generate(request("t1", "and the dog", 10, session_id=sid))
+        engine.rewind_session(sid, turns=1)
+        outs[draft] = engine.generate(request("t2", "a bird saw", 10, session_id=sid)).token_ids
+    assert outs[None] == outs[drafts["same"]]
+
+
+def test_stop_sequences_and_max_tokens_inside_a_guess(
+    tiny_models: dict[str, Path], drafts: dict[str, Path]
+) -> None:
+    target = tiny_models["gqa"]
+    want = engine_for(target, None).generate(request("a", PROMPT, 12))
+    stop_word = want.text.split()[5]
+    for stopping in (
+        StoppingCriteria(max_new_tokens=12, ignore_eos=True, stop_sequences=(stop_word,)),
+        StoppingCriteria(max_new_tokens=3, ignore_eos=True),
+    ):
+        plain = engine_for(target, None).generate(request("s", PROMPT, 0, stopping=stopping))
+        got = engine_for(target, drafts["same"]).generate(
+            request("s", PROMPT, 0, stopping=stopping)
+        )
+        assert (got.text, got.token_ids, got.finish_reason) == (
+            plain.text,
+            plain.token_ids,
+            plain.finish_reason,
+        )
+    assert got.finish_reason is FinishReason.MAX_TOKENS
+
+
+def test_constrained_output_is_the_same_with_a_draft(bytes_models: dict[str, Path]) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+        "x-guidance": {"whitespace_flexible": False},
+    }
+
+    def requests() -> list[GenerationRequest]:
+        return [
+            GenerationRequest(
+                f"r{i}",
+                tuple(encode_bytes("Answer in JSON: ")),
+                sampling=s,
+                stopping=StoppingCriteria(max_new_tokens=120),
+                constraint=Constraint("json_schema", json.dumps(schema)),
+            )
+            for i, s in enumerate((SamplingParams(), SAMPLED))
+        ]
+
+    target = bytes_models["gqa"]
+    plain = engine_for(target, None).run_to_completion(requests())
+    engine = engine_for(target, target)
+    got = engine.run_to_completion(requests())
+    for rid, want in plain.items():
+        assert got[rid].token_ids == want.token_ids
+        if got[rid].finish_reason is FinishReason.EOS_TOKEN:  # the grammar completed
+            json.loads(got[rid].text)
+    assert engine.counters["spec_accepted_tokens.draft"] > 0
+
+
+def test_auto_mode_lets_prompt_lookup_take_longer_guesses(
+    tiny_models: dict[str, Path], drafts: dict[str, Path]
+) -> None:
+    target = tiny_models["gqa"]
+    config = SpeculationConfig(2, 4, draft_model=str(drafts["same"]))  # mode "auto"
+    engine = LLMEngine(EngineConfig(model_dir=str(target), speculation=config))
+    reqs = [request("a", PROMPT, 40), request("b", "a bird saw it", 30, sampling=SAMPLED)]
+    got = engine.run_to_completion(reqs)
+    plain = engine_for(target, None).run_to_completion(reqs)
+    assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in plain.items()}
+    c = engine.counters
+    assert c["spec_draft_tokens.draft"] > 0 and c["spec_draft_tokens.prompt_lookup"] > 0
+    assert engine.info().speculative_mode == "auto"
+
+
+def test_a_draft_with_another_vocabulary_is_refused(
+    tiny_models: dict[str, Path], bytes_models: dict[str, Path]
+) -> None:
+    with pytest.raises(ValueError) as info:
+        engine_for(tiny_models["gqa"], bytes_models["gqa"])
+    assert str(info.value) == (
+        f"draft_model {bytes_models['gqa']}: token id 3 is 'the' in the target's vocabulary "
+        "and 'Ā' in the draft's (85 and 259 tokens); the draft's token ids and strings must "
+        "equal the target's"
+    )
+
+
+def test_batched_guessing_spans_all_speculating_sequences(
+    tiny_models: dict[str, Path], drafts: dict[str, Path]
+) -> None:
+    """With max_batch 4, four greedy streams guess together: the draft's decode
+    calls are batched (fewer calls than guessed tokens)."""
+    engine = engine_for(tiny_models["gqa"], drafts["same"], num_tokens=4, max_batch=4)
+    reqs = [request(str(i), " ".join(PROMPT.split()[i:]), 24) for i in range(4)]
+    got = engine.run_to_completion(reqs)
+    assert all(len(r.token_ids) == 24 for r in got.values())
+    draft = engine.speculation.draft  # type: ignore[union-attr]
+    assert draft is not None
+    assert draft.steps * 2 < engine.counters["spec_draft_tokens"]
+
+
+def test_config_errors() -> None:
+    with pytest.raises(ValueError, match=r"--draft-model needs --speculate N"):
+        SpeculationConfig(0, draft_model="d")
+    with pytest.raises(ValueError, match="speculative_mode draft needs --draft-model DIR"):
+        SpeculationConfig(4, mode="draft")
+    with pytest.raises(ValueError, match="prompt-lookup never uses --draft-model"):
+        SpeculationConfig(4, draft_model="d", mode="prompt-lookup")
+    with pytest.raises(ValueError, match="speculative_mode must be one of"):
+        SpeculationConfig(4, mode="eagle")
+    assert SpeculationConfig(4).resolved_mode == "prompt-lookup"
+    assert SpeculationConfig(4, draft_model="d").resolved_mode == "auto"
+    assert SpeculationConfig(0).resolved_mode == ""
+
+
+def test_server_flags_and_the_refusal_at_start(
+    tiny_models: dict[str, Path], bytes_models: dict[str, Path]
+) -> None:
+    from genai_service.__main__ import build_parser, config_from_args
+
+    def config(*flags: str) -> SpeculationConfig:
+        args = build_parser().parse_args(["--model", str(tiny_models["gqa"]), *flags])
+        return config_from_args(args).engine.speculation
+
+    draft = str(tiny_models["gqa"])
+    assert config("--speculate", "4", "--draft-model", draft) == SpeculationConfig(
+        4, draft_model=draft
+    )
+    assert config(
+        "--speculate", "3", "--draft-model", draft, "--speculative-mode", "draft"
+    ).resolved_mode == ("draft")
+    # genai-server itself exits with the message before it starts anything.
+    argv = ["--model", draft, "--speculate", "4", "--draft-model", str(bytes_models["gqa"])]
+    done = subprocess.run(
+        [sys.executable, "-m", "genai_service", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2
+    assert "token id 3 is 'the' in the target's vocabulary" in done.stdout + done.stderr
+
+
+def test_get_model_info_reports_the_mode_and_the_draft(
+    tiny_models: dict[str, Path], drafts: dict[str, Path]
+) -> None:
+    from genai_client import Client
+    from genai_service.config import ServerConfig
+    from tests.server_harness import ServerThread, free_port
+
+    engine = EngineConfig(
+        model_dir=str(tiny_models["gqa"]),
+        speculation=SpeculationConfig(4, 2, draft_model=str(drafts["one_layer"]), mode="draft"),
+        scheduler=SchedulerConfig(max_num_seqs=4),
+    )
+    srv = ServerThread(ServerConfig(engine=engine, port=free_port())).start()
+    try:
+        with Client(srv.target) as client:
+            info = client.model_info()
+            assert (info.speculative_mode, info.speculative_tokens, info.draft_model_id) == (
+                "DRAFT",
+                4,
+                drafts["one_layer"].name,
+            )
+            streamed = [
+                t
+                for d in client.stream(
+                    token_ids=encode_words(PROMPT), max_new_tokens=24, ignore_eos=True
+                )
+                for t in d.token_ids
+            ]
+    finally:
+        srv.stop()
+    plain = engine_for(tiny_models["gqa"], None).generate(request("a", PROMPT, 24))
+    assert streamed == list(plain.token_ids)
