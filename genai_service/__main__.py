@@ -186,9 +186,8 @@ def _check_draft(engine: EngineConfig) -> None:
     draft = engine.speculation.draft_model
     if draft is None:
         return
-    from .engine.speculation import vocabulary_mismatch
     from .model.model_dir import load_model_spec
-    from .model.tokenizer import Tokenizer
+    from .model.tokenizer import Tokenizer, vocabulary_mismatch
 
     target_spec, draft_spec = load_model_spec(engine.model_dir), load_model_spec(draft)
     mismatch = vocabulary_mismatch(

@@ -36,6 +36,12 @@ class RunnerConfig:
         metavar="N",
     )
     runner: str = flag("auto", help="how the model runs", choices=RUNNERS)
+    # One intra-op thread pool for every session of the process (set by the
+    # engine process when a draft model runs beside the target: per-session
+    # pools spin-wait after each call and take the cores from the other
+    # model's threads; docs/design.md, "Speculative decoding"). Process-wide
+    # and for good once set, so in-process engines (tests) leave it off.
+    shared_thread_pool: bool = False
 
     def __post_init__(self) -> None:
         if self.intra_op_threads < 0:

@@ -35,7 +35,7 @@ from ..contract.request import (
 from ..contract.sessions import SessionInfo, SessionPage
 from ..guidance.constraints import Guidance
 from ..model.model_dir import ModelSpec, load_model_spec
-from ..model.tokenizer import Tokenizer
+from ..model.tokenizer import Tokenizer, vocabulary_mismatch
 from .groups.completions import Completions
 from .in_process import InProcessDriver
 from .kv.kv_chunk_store import KvChunkStore
@@ -48,7 +48,7 @@ from .scheduler import ScheduledBatch, Scheduler
 from .sequence import SeqStatus, Sequence, new_sequence
 from .sessions.restores import HeldOutputs, ParkedRequests, PendingCall, SessionCalls
 from .sessions.sessions import Session, SessionTable, slide_turn_ends
-from .speculation import Draft, DraftModel, Speculation, vocabulary_mismatch
+from .speculation import Draft, DraftModel, Speculation
 from .text.token_texts import TokenTexts
 from .validation import (
     resolve_max_new_tokens,

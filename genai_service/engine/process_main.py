@@ -16,6 +16,7 @@ Plain Python at import time: the model (and ONNX Runtime) is loaded inside
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue as queue_mod
 import threading
@@ -105,6 +106,10 @@ def engine_main(config: EngineConfig, conn: Connection, log_format: str) -> None
     from .engine import LLMEngine
 
     configure_logging(log_format)
+    if config.speculation.draft_model is not None:
+        # The target and the draft take turns on the cores: one thread pool.
+        runner = dataclasses.replace(config.runner, shared_thread_pool=True)
+        config = dataclasses.replace(config, runner=runner)
     try:
         engine = LLMEngine(config)
         # Warm-up: one real prefill + decode step so the first client request

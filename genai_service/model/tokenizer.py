@@ -406,3 +406,18 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
+
+
+def vocabulary_mismatch(target: Tokenizer, draft: Tokenizer) -> str | None:
+    """Why ``draft``'s guesses cannot be read as ``target``'s tokens, or None:
+    both vocabularies must hold the same token strings under the same ids."""
+    t = {i: s for s, i in target.inner.get_vocab(with_added_tokens=True).items()}
+    d = {i: s for s, i in draft.inner.get_vocab(with_added_tokens=True).items()}
+    for i in range(max(len(t), len(d), max(t, default=-1) + 1, max(d, default=-1) + 1)):
+        if t.get(i) != d.get(i):
+            return (
+                f"token id {i} is {t.get(i)!r} in the target's vocabulary and "
+                f"{d.get(i)!r} in the draft's ({len(t)} and {len(d)} tokens); "
+                "the draft's token ids and strings must equal the target's"
+            )
+    return None

@@ -64,6 +64,7 @@ NOT_FLAGS = {
     "ServerConfig.max_input_chars",
     "ServerConfig.engine_start_timeout_s",
     "KvStoreConfig.record_wait_s",
+    "RunnerConfig.shared_thread_pool",  # the engine process sets it beside a draft model
     "SpeculationConfig.ngram_max",
     "SpeculationConfig.ngram_min",
     "LimitsConfig.max_stop_sequences",

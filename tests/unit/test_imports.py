@@ -248,7 +248,8 @@ PART_RULES: dict[str, set[str]] = {
     | {f"{S}.server.frontend", f"{S}.server.convert", f"{S}.server.tools", GENERATED},
     f"{S}.convert": SHARED,
     f"{S}.launcher": {f"{S}.config", "kvstore", "genai_client"},
-    f"{S}.__main__": {f"{S}.config", f"{S}.convert", f"{S}.server.app", "kvstore"},
+    # model: the draft model's vocabulary is checked before the server starts
+    f"{S}.__main__": {f"{S}.config", f"{S}.convert", f"{S}.model", f"{S}.server.app", "kvstore"},
 }
 SUBPACKAGES = {
     name

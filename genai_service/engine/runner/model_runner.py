@@ -113,10 +113,24 @@ class ModelRunner(ABC):
         return self.rope[layer].shift(keys, drop)
 
 
+_shared_pool = False  # the process's global intra-op pool is made
+
+
 def make_session_options(config: RunnerConfig) -> ort.SessionOptions:
+    """``config.shared_thread_pool``: the process's one intra-op pool, made
+    before its first session (``set_global_thread_pool_sizes``; once it exists
+    ORT refuses sessions with pools of their own, so every later one uses it)."""
+    global _shared_pool
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    if config.intra_op_threads:
+    if config.shared_thread_pool and not _shared_pool:
+        from onnxruntime.capi import _pybind_state
+
+        _pybind_state.set_global_thread_pool_sizes(config.intra_op_threads, 1)
+        _shared_pool = True
+    if _shared_pool:
+        options.use_per_session_threads = False
+    elif config.intra_op_threads:
         options.intra_op_num_threads = config.intra_op_threads
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL

@@ -28,23 +28,7 @@ from ..sequence import Sequence as Seq
 from .proposer import Backoff, DraftWant, Proposer
 
 if TYPE_CHECKING:
-    from ...model.tokenizer import Tokenizer
     from ..runner.model_runner import ModelRunner
-
-
-def vocabulary_mismatch(target: Tokenizer, draft: Tokenizer) -> str | None:
-    """Why ``draft``'s guesses cannot be read as ``target``'s tokens, or None:
-    both vocabularies must hold the same token strings under the same ids."""
-    t = {i: s for s, i in target.inner.get_vocab(with_added_tokens=True).items()}
-    d = {i: s for s, i in draft.inner.get_vocab(with_added_tokens=True).items()}
-    for i in range(max(len(t), len(d), max(t, default=-1) + 1, max(d, default=-1) + 1)):
-        if t.get(i) != d.get(i):
-            return (
-                f"token id {i} is {t.get(i)!r} in the target's vocabulary and "
-                f"{d.get(i)!r} in the draft's ({len(t)} and {len(d)} tokens); "
-                "the draft's token ids and strings must equal the target's"
-            )
-    return None
 
 
 def _kv_nbytes(layers: KvLayers) -> int:
