@@ -362,3 +362,30 @@ def test_get_model_info_reports_the_mode_and_the_draft(
         srv.stop()
     plain = engine_for(tiny_models["gqa"], None).generate(request("a", PROMPT, 24))
     assert streamed == list(plain.token_ids)
+
+
+def test_metrics_label_the_counters_by_proposer() -> None:
+    from prometheus_client import generate_latest
+
+    from genai_service.server.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.engine.snapshot = {
+        "spec_draft_tokens": 12,
+        "spec_accepted_tokens": 7,
+        "spec_draft_tokens.draft": 10,
+        "spec_accepted_tokens.draft": 6,
+        "spec_draft_tokens.prompt_lookup": 2,
+        "spec_accepted_tokens.prompt_lookup": 1,
+        "steps": 5,
+    }
+    text = generate_latest(metrics.registry).decode()
+    lines = {line for line in text.splitlines() if line.startswith("genai_engine_")}
+    assert lines >= {
+        'genai_engine_spec_draft_tokens{proposer="draft"} 10.0',
+        'genai_engine_spec_draft_tokens{proposer="prompt_lookup"} 2.0',
+        'genai_engine_spec_accepted_tokens{proposer="draft"} 6.0',
+        'genai_engine_spec_accepted_tokens{proposer="prompt_lookup"} 1.0',
+        "genai_engine_steps 5.0",
+    }
+    assert "genai_engine_spec_draft_tokens 12.0" not in lines  # the labelled family only

@@ -239,7 +239,8 @@ PART_RULES: dict[str, set[str]] = {
     f"{S}.engine.runner": SHARED | {f"{S}.engine.kv"},
     f"{S}.engine.sessions": SHARED | {f"{S}.engine.kv"},
     f"{S}.engine.groups": SHARED,
-    # The loop: engine/'s own modules, which compose the subpackages.
+    # The loop: engine/'s own modules, which compose the subpackages (and
+    # speculation/, the loop's glue to the runners for speculative decoding).
     f"{S}.engine": SHARED | {f"{S}.guidance", f"{S}.engine", "kvstore"},
     # The frontend: of the engine only the process's entry point.
     f"{S}.server": SHARED | {f"{S}.guidance", f"{S}.engine.process_main", f"{S}.server", GENERATED},

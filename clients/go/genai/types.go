@@ -128,6 +128,12 @@ type ModelInfo struct {
 	KVChunkSize     uint32
 	// FIMSupported: the tokenizer has fill-in-the-middle tokens (Request.FIM).
 	FIMSupported bool
+	// SpeculativeMode: "" (speculation off), "PROMPT_LOOKUP", "DRAFT" or "AUTO";
+	// SpeculativeTokens: draft tokens checked per step; DraftModelID: the
+	// draft model's id ("" without one).
+	SpeculativeMode   string
+	SpeculativeTokens uint32
+	DraftModelID      string
 }
 
 func logprobsFrom(in []*pb.TokenLogprob) []TokenLogprob {
@@ -205,6 +211,14 @@ func modelInfoFrom(m *pb.ModelInfo) ModelInfo {
 		ModelID: m.GetModelId(), ContextLength: m.GetContextLength(), VocabSize: m.GetVocabSize(),
 		EOSTokenIDs: m.GetEosTokenIds(), RunnerKind: strings.TrimPrefix(m.GetRunnerKind().String(), "RUNNER_KIND_"),
 		HasChatTemplate: m.GetHasChatTemplate(), KVChunkSize: m.GetKvChunkSize(),
-		FIMSupported: m.GetFimSupported(),
+		FIMSupported: m.GetFimSupported(), SpeculativeMode: speculativeMode(m.GetSpeculativeMode()),
+		SpeculativeTokens: m.GetSpeculativeTokens(), DraftModelID: m.GetDraftModelId(),
 	}
+}
+
+func speculativeMode(m pb.SpeculativeMode) string {
+	if m == pb.SpeculativeMode_SPECULATIVE_MODE_UNSPECIFIED {
+		return ""
+	}
+	return strings.TrimPrefix(m.String(), "SPECULATIVE_MODE_")
 }

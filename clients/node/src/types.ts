@@ -4,7 +4,7 @@
  */
 import { ContextOverflow, FinishReason, type TokenLogprob, type ToolCall, type Usage } from "./gen/genai/v1/common";
 import type { Delta as DeltaProto, Final, GenerateResponse } from "./gen/genai/v1/generate";
-import { RunnerKind, type ModelInfo as ModelInfoProto } from "./gen/genai/v1/model";
+import { RunnerKind, SpeculativeMode, type ModelInfo as ModelInfoProto } from "./gen/genai/v1/model";
 import type { Session as SessionProto } from "./gen/genai/v1/session";
 import type { GenAIError } from "./errors";
 
@@ -89,7 +89,11 @@ export interface SessionInfo {
 }
 
 /** The served model; `runnerKind` is RunnerKind's name without its prefix. */
-export type ModelInfo = Omit<ModelInfoProto, "runnerKind"> & { runnerKind: string };
+/** The served model; `speculativeMode` is "" (off), "PROMPT_LOOKUP", "DRAFT" or "AUTO". */
+export type ModelInfo = Omit<ModelInfoProto, "runnerKind" | "speculativeMode"> & {
+  runnerKind: string;
+  speculativeMode: string;
+};
 
 const PREFIX = "FINISH_REASON_";
 
@@ -164,5 +168,10 @@ export function sessionFromProto(s: SessionProto | undefined): SessionInfo {
 export function modelInfoFromProto(m: ModelInfoProto | undefined): ModelInfo {
   if (m === undefined) throw new TypeError("the server sent no model_info");
   const kind = RunnerKind[m.runnerKind] ?? String(m.runnerKind);
-  return { ...m, runnerKind: kind.replace(/^RUNNER_KIND_/, "") };
+  const mode = SpeculativeMode[m.speculativeMode] ?? String(m.speculativeMode);
+  return {
+    ...m,
+    runnerKind: kind.replace(/^RUNNER_KIND_/, ""),
+    speculativeMode: mode === "SPECULATIVE_MODE_UNSPECIFIED" ? "" : mode.replace(/^SPECULATIVE_MODE_/, ""),
+  };
 }
