@@ -434,6 +434,14 @@ def _session_fork_targets(r: Results) -> list[dict]:
     ]
 
 
+def _draft_speculation_targets(r: Results) -> list[dict]:
+    """The section's own targets (``bench/draft_speculation.py``'s ``targets``), all ``≥``."""
+    return [
+        _target(t["target"], t["measured"], t["limit"], _ge, headline=t["headline"])
+        for t in r["draft_speculation"]["targets"]
+    ]
+
+
 def _http_targets(r: Results) -> list[dict]:
     http = r["http"]
     return [
@@ -1084,6 +1092,16 @@ SECTIONS: tuple[Section, ...] = (
             "A session past its context window: TTFT per turn (bench/session_slide.py)",
             "bench.session_slide",
             "session_slide",
+        ),
+    ),
+    Section(
+        "draft_speculation",
+        _draft_speculation_targets,
+        _own(
+            "Speculative decoding with a draft model: fp32 target, int4/int8/poor drafts "
+            "(bench/draft_speculation.py)",
+            "bench.draft_speculation",
+            "draft_speculation",
         ),
     ),
     Section(

@@ -55,6 +55,7 @@ SECTIONS = (
     "constrained",
     "session_fork",
     "session_slide",
+    "draft_speculation",
     "kvstore",
     "fleet",
     "http",
@@ -67,6 +68,7 @@ AFTER_CLOSE = (
     "constrained",
     "session_fork",
     "session_slide",
+    "draft_speculation",
     "kvstore",
     "fleet",
     "http",
@@ -339,6 +341,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             "session_slide",
             lambda: own("session_slide").measure(
                 str(model_dir), threads=args.threads, answer_tokens=48 if args.quick else 96
+            ),
+        )
+    if "draft_speculation" in sections:
+        # Five servers of its own on the default model's fp32 conversion (int4, int8
+        # and a poor draft beside it), and a child process's cost model.
+        run_section(
+            "draft_speculation",
+            lambda: own("draft_speculation").measure(
+                reps=plan.reps, threads=args.threads, quick=args.quick
             ),
         )
     if "kvstore" in sections:

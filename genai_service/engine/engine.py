@@ -190,6 +190,7 @@ class LLMEngine(InProcessDriver):
             max_len=max_len,
             catchup_tokens=config.scheduler.max_num_batched_tokens,
             parked_bytes=config.sessions.max_parked_kv_bytes,
+            pick=self.picker.guess_after,
         )
 
     def _slide_policy(self, config: EngineConfig, window: int) -> tuple[SlidePolicy | None, str]:

@@ -208,6 +208,24 @@ class TokenPicker:
         args = sampling.prepare([sampling_row(seq, self.defaults, pending, allowed, self.texts)])
         return self._picked(seq, sampling.sample(row[None], args), 0)
 
+    def guess_after(
+        self, seq: Sequence, row: np.ndarray, pending: list[int], rng: np.random.Generator
+    ) -> int:
+        """A draft model's guess for ``seq`` from ``row`` (the draft's logits) after
+        ``pending`` (its guesses so far): the pick a plain decode would make from
+        these logits, drawing from ``rng``, a copy of the sequence's generator
+        advanced one step per guess as the real one will be when the target
+        checks them. So the draft's sampled guesses are coupled to the target's
+        own draws, and agree with its picks as often as the two distributions
+        allow (a greedy guess would agree only where the draw lands on the
+        likeliest token). No constraint mask: a guess is cut to what the
+        constraint accepts before the check."""
+        if plain_greedy(seq, len(pending), masked=True):
+            return int(np.argmax(row))
+        base = sampling_row(seq, self.defaults, pending, None, self.texts)
+        guess_row = replace(base, rng=rng, top_logprobs=0, want_logprobs=False)
+        return int(sampling.sample(row[None], sampling.prepare([guess_row])).token_ids[0])
+
     def _picked(self, seq: Sequence, sampled: sampling.SampleOutput, j: int) -> Picked:
         """Row ``j`` of the sampler's output."""
         token = int(sampled.token_ids[j])

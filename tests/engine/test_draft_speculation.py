@@ -389,3 +389,20 @@ def test_metrics_label_the_counters_by_proposer() -> None:
         "genai_engine_steps 5.0",
     }
     assert "genai_engine_spec_draft_tokens 12.0" not in lines  # the labelled family only
+
+
+def test_sampled_guesses_draw_what_the_target_will_draw(
+    tiny_models: dict[str, Path], drafts: dict[str, Path]
+) -> None:
+    """A draft picks its sampled guesses with a copy of the request's generator:
+    the target as its own draft then agrees on every sampled guess (a greedy
+    guess would agree only where the draw lands on the likeliest token)."""
+    target = tiny_models["gqa"]
+    reqs = [request("s", PROMPT, 40, sampling=SamplingParams(temperature=1.0, top_k=20, seed=3))]
+    plain = engine_for(target, None).run_to_completion(reqs)
+    engine = engine_for(target, drafts["same"], num_tokens=4)
+    got = engine.run_to_completion(reqs)
+    assert got["s"].token_ids == plain["s"].token_ids
+    c = engine.counters
+    assert c["spec_draft_tokens"] > 20
+    assert c["spec_accepted_tokens"] == c["spec_draft_tokens"]

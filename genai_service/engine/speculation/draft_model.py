@@ -16,8 +16,9 @@ bounded by bytes drops what does not fit (its next turn re-feeds the draft).
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,8 +36,17 @@ def _kv_nbytes(layers: KvLayers) -> int:
     return sum(k.nbytes + v.nbytes for k, v in layers)
 
 
+# (seq, the draft's logits [vocab], the guesses so far, a copy of the sequence's
+# generator) -> the guess: ``TokenPicker.guess_after``.
+GuessPicker = Callable[[Seq, np.ndarray, list[int], np.random.Generator], int]
+
+
 class DraftModel(Proposer):
-    """Greedy guesses of ``runner`` (the draft model's), ``num_tokens`` long."""
+    """Guesses of ``runner`` (the draft model's), ``num_tokens`` long, each picked
+    from the draft's logits as the target would pick from its own (``pick``:
+    argmax for greedy requests; for sampled ones the request's sampler drawing
+    from a copy of its generator, so a guess lands where the target's draw will
+    land whenever the two models' distributions agree there)."""
 
     name = "draft"
 
@@ -50,8 +60,10 @@ class DraftModel(Proposer):
         max_len: int,
         catchup_tokens: int,
         parked_bytes: int,
+        pick: GuessPicker | None = None,
     ) -> None:
         self.runner = runner
+        self.pick = pick
         self.model_id = model_id
         self.num_tokens = num_tokens
         self.target_vocab = target_vocab  # guesses stop before an id the target lacks
@@ -92,9 +104,12 @@ class DraftModel(Proposer):
         rows = self._catch_up(
             [(seq.seq_id, todo, len(seq.token_ids) - len(todo)) for seq, todo, _ in feeds]
         )
+        # Each sampled sequence's generator, copied: the target's check draws
+        # from the real one, one draw per picked token, from this same state.
+        rngs = {seq.seq_id: copy.deepcopy(seq.rng) for seq, _, _ in feeds if self.pick}
         guesses: dict[int, list[int]] = {}
         for (seq, _, _), row in zip(feeds, rows, strict=True):
-            guesses[seq.seq_id] = [int(np.argmax(row))]
+            guesses[seq.seq_id] = [self._guess(seq, row, [], rngs)]
             self._proposed_at[seq.seq_id] = len(seq.token_ids)
         for j in range(1, max(limit for _, _, limit in feeds)):
             going = [
@@ -107,12 +122,19 @@ class DraftModel(Proposer):
             items = [self._step(seq, guesses[seq.seq_id][-1]) for seq in going]
             logits = self.runner.run(items)
             self.steps += 1
-            for seq, token in zip(going, np.argmax(logits, axis=1), strict=True):
-                guesses[seq.seq_id].append(int(token))
+            for seq, row in zip(going, logits, strict=True):
+                guesses[seq.seq_id].append(self._guess(seq, row, guesses[seq.seq_id], rngs))
         for sid, guess in guesses.items():
             cut = next((i for i, t in enumerate(guess) if t >= self.target_vocab), len(guess))
             guesses[sid] = guess[:cut]
         return {sid: g for sid, g in guesses.items() if g}
+
+    def _guess(
+        self, seq: Seq, row: np.ndarray, pending: list[int], rngs: dict[int, np.random.Generator]
+    ) -> int:
+        if self.pick is None:
+            return int(np.argmax(row))
+        return self.pick(seq, row, pending, rngs[seq.seq_id])
 
     def _step(self, seq: Seq, token: int) -> StepItem:
         return StepItem(seq.seq_id, (token,), self.runner.kv_len(seq.seq_id))
