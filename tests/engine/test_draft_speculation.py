@@ -406,3 +406,31 @@ def test_sampled_guesses_draw_what_the_target_will_draw(
     c = engine.counters
     assert c["spec_draft_tokens"] > 20
     assert c["spec_accepted_tokens"] == c["spec_draft_tokens"]
+
+
+def test_a_long_prompt_is_fed_to_the_draft_in_chunks(
+    tiny_models: dict[str, Path], drafts: dict[str, Path]
+) -> None:
+    """The draft learns a prompt at most --max-num-batched-tokens tokens a
+    step (a prefill of its own, spread over the target's decode steps); the
+    sequence guesses once the draft has caught up."""
+    target = tiny_models["gqa"]
+    prompt = " ".join([PROMPT] * 4)  # 76 tokens
+    engine = engine_for(
+        target, drafts["same"], scheduler=SchedulerConfig(max_num_batched_tokens=16)
+    )
+    draft = engine.speculation.draft  # type: ignore[union-attr]
+    assert draft is not None
+    engine.add_request(request("a", prompt, 30))
+    fed = []  # draft tokens fed to catch up, per step
+    while engine.has_unfinished():
+        before = draft.catchup_fed
+        engine.step()
+        fed.append(draft.catchup_fed - before)
+    assert max(fed) == 16  # never more than the budget in one step
+    assert sum(fed) >= len(encode_words(prompt))  # the whole prompt, over several steps
+    assert sum(1 for n in fed if n == 16) >= 4
+    assert engine.counters["spec_accepted_tokens"] > 0  # then it guesses
+    plain = engine_for(target, None).generate(request("a", prompt, 30))
+    got = engine.run_to_completion([request("b", prompt, 30)])["b"]
+    assert got.token_ids == plain.token_ids

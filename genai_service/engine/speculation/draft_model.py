@@ -5,8 +5,9 @@ its own runner, slots and KV, keyed by the target's ``seq_id``s. It learns
 a sequence's tokens lazily: when the sequence may speculate, the draft is
 fed what it has not seen yet (the whole prompt the first time, in chunks of
 at most ``catchup_tokens`` per step; after a check usually one or two
-tokens), then decodes its greedy guess one token at a time, all speculating
-sequences batched in each call. After the target's check, ``accepted`` cuts
+tokens), then decodes its guess one token at a time (each picked as the
+target would pick, ``DraftModel``), all speculating sequences batched in
+each call. After the target's check, ``accepted`` cuts
 the draft's KV back to the tokens the sequence really has, as the target's
 is cut. A session turn's draft KV is parked here in host memory, by session
 id (never in the kvstore, never under the target's chunk keys), and written
@@ -38,6 +39,12 @@ def _kv_nbytes(layers: KvLayers) -> int:
 
 # (seq, the draft's logits [vocab], the guesses so far, a copy of the sequence's
 # generator) -> the guess: ``TokenPicker.guess_after``.
+_UNUSED_RNG = np.random.default_rng(0)  # what greedy rows get (they draw nothing)
+# A failed guess costs N draft steps and a check (~0.9 of a target step for a
+# 4-layer draft at N = 5, more for a larger one), not a free lookup: back off
+# up to 64 steps, so a draft that never agrees costs ~1.5 % (16 steps: ~5 %,
+# measured 0.93x of no speculation through the server).
+DRAFT_MAX_BACKOFF_STEPS = 64
 GuessPicker = Callable[[Seq, np.ndarray, list[int], np.random.Generator], int]
 
 
@@ -70,7 +77,7 @@ class DraftModel(Proposer):
         self.max_len = max_len  # the draft's context (its KV buffers' length)
         self.catchup_tokens = catchup_tokens  # draft prefill tokens per step, all sequences
         self.parked_bytes = parked_bytes
-        self.backoff = Backoff()
+        self.backoff = Backoff(DRAFT_MAX_BACKOFF_STEPS)
         self._proposed_at: dict[int, int] = {}  # seq_id -> len(token_ids) at its last guess
         # session id -> (the tokens the KV is of, their KV); LRU by bytes.
         self._parked: OrderedDict[str, tuple[tuple[int, ...], KvLayers]] = OrderedDict()
@@ -105,8 +112,13 @@ class DraftModel(Proposer):
             [(seq.seq_id, todo, len(seq.token_ids) - len(todo)) for seq, todo, _ in feeds]
         )
         # Each sampled sequence's generator, copied: the target's check draws
-        # from the real one, one draw per picked token, from this same state.
-        rngs = {seq.seq_id: copy.deepcopy(seq.rng) for seq, _, _ in feeds if self.pick}
+        # from the real one, one draw per picked token, from this same state
+        # (greedy rows draw nothing).
+        rngs = {
+            seq.seq_id: copy.deepcopy(seq.rng)
+            for seq, _, _ in feeds
+            if self.pick and not seq.request.sampling.greedy
+        }
         guesses: dict[int, list[int]] = {}
         for (seq, _, _), row in zip(feeds, rows, strict=True):
             guesses[seq.seq_id] = [self._guess(seq, row, [], rngs)]
@@ -134,7 +146,7 @@ class DraftModel(Proposer):
     ) -> int:
         if self.pick is None:
             return int(np.argmax(row))
-        return self.pick(seq, row, pending, rngs[seq.seq_id])
+        return self.pick(seq, row, pending, rngs.get(seq.seq_id) or _UNUSED_RNG)
 
     def _step(self, seq: Seq, token: int) -> StepItem:
         return StepItem(seq.seq_id, (token,), self.runner.kv_len(seq.seq_id))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ..sequence import Sequence as Seq
 
-MAX_BACKOFF_STEPS = 16
+MAX_BACKOFF_STEPS = 16  # prompt lookup's: its guesses cost nothing to make
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,10 @@ class Proposer(ABC):
 class Backoff:
     """A check of a guess costs more than a plain decode step, so a sequence
     whose guesses keep failing stops guessing for 1, 2, 4 ... up to
-    ``MAX_BACKOFF_STEPS`` steps after each guess of which nothing was kept."""
+    ``max_steps`` steps after each guess of which nothing was kept."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_steps: int = MAX_BACKOFF_STEPS) -> None:
+        self.max_steps = max_steps
         self._state: dict[int, tuple[int, int]] = {}  # seq_id -> (steps left, last span)
 
     def pausing(self, seq_id: int) -> bool:
@@ -81,7 +82,7 @@ class Backoff:
             self._state.pop(seq_id, None)
             return
         _, span = self._state.get(seq_id, (0, 0))
-        span = min(MAX_BACKOFF_STEPS, 2 * span or 1)
+        span = min(self.max_steps, 2 * span or 1)
         self._state[seq_id] = (span, span)
 
     def forget(self, seq_id: int) -> None:
