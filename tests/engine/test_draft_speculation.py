@@ -434,3 +434,21 @@ def test_a_long_prompt_is_fed_to_the_draft_in_chunks(
     plain = engine_for(target, None).generate(request("a", prompt, 30))
     got = engine.run_to_completion([request("b", prompt, 30)])["b"]
     assert got.token_ids == plain.token_ids
+
+
+def test_a_failing_draft_model_costs_its_guesses_not_the_request(
+    tiny_models: dict[str, Path], drafts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = engine_for(tiny_models["gqa"], drafts["one_layer"])
+    draft = engine.speculation.draft  # type: ignore[union-attr]
+    assert draft is not None
+
+    def broken(items: object) -> np.ndarray:
+        raise RuntimeError("draft ORT failure")
+
+    monkeypatch.setattr(draft.runner, "run", broken)
+    monkeypatch.setattr(draft.runner, "verify_batch", broken)
+    got = engine.generate(request("a", PROMPT, 20))
+    plain = engine_for(tiny_models["gqa"], None).generate(request("a", PROMPT, 20))
+    assert got.token_ids == plain.token_ids
+    assert engine.counters["spec_draft_tokens"] == 0

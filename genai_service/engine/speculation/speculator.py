@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
+import structlog
 
 from ...config import SpeculationConfig
 from ...contract.request import RequestOutput, TokenLogprob, merge_outputs
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from ..runner.model_runner import ModelRunner
 
 T = TypeVar("T")
+log = structlog.get_logger(__name__)
 
 
 def follow_draft(
@@ -117,7 +119,14 @@ class Speculation:
                     drafts[sid] = Draft(tokens, self.lookup)
         if self.draft is not None:
             rest = [w for w in wants if w.seq.seq_id not in drafts]
-            for sid, tokens in self.draft.propose(rest).items():
+            try:
+                guessed = self.draft.propose(rest)
+            except Exception:  # the draft's runner failed: this step goes on without it
+                log.exception("draft_model_failed", seqs=[w.seq.request_id for w in rest])
+                for want in rest:
+                    self.draft.forget(want.seq.seq_id)  # its draft KV may be half-written
+                guessed = {}
+            for sid, tokens in guessed.items():
                 drafts[sid] = Draft(tokens, self.draft)
         for seq, _ in items:
             draft = drafts.get(seq.seq_id)
