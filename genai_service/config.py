@@ -87,7 +87,8 @@ class SpeculationConfig:
     num_tokens: int = flag(  # 0..MAX_DRAFT_TOKENS
         0,
         name="speculate",
-        help="prompt-lookup speculative decoding: draft N tokens per step (0: off)",
+        help="speculative decoding: guess N tokens per step (0: off; prompt lookup, or the "
+        "--draft-model)",
         metavar="N",
     )
     max_batch: int = flag(
@@ -128,15 +129,16 @@ class SpeculationConfig:
             )
         if self.mode not in SPECULATIVE_MODES:
             raise ValueError(
-                f"speculative_mode must be one of {', '.join(SPECULATIVE_MODES)}; got {self.mode!r}"
+                f"--speculative-mode must be one of {', '.join(SPECULATIVE_MODES)}; "
+                f"got {self.mode!r}"
             )
         if self.draft_model is not None and not self.num_tokens:
             raise ValueError("draft_model: --draft-model needs --speculate N (draft tokens, N > 0)")
         if self.mode == "draft" and self.draft_model is None:
-            raise ValueError("speculative_mode draft needs --draft-model DIR")
+            raise ValueError("--speculative-mode draft needs --draft-model DIR")
         if self.mode == "prompt-lookup" and self.draft_model is not None:
             raise ValueError(
-                "speculative_mode prompt-lookup never uses --draft-model (use draft or auto)"
+                "--speculative-mode prompt-lookup never uses --draft-model (use draft or auto)"
             )
         _positive("speculation max_batch", self.max_batch)
         _positive("speculation ngram_min", self.ngram_min)

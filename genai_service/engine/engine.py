@@ -121,6 +121,7 @@ class LLMEngine(InProcessDriver):
             config.sessions.max_sessions,
             config.sessions.idle_ttl_s,
             persistent=self.remote is not None,
+            on_forget=self._forget_session,
         )
         self.session_calls = SessionCalls(
             self.sessions,
@@ -178,7 +179,15 @@ class LLMEngine(InProcessDriver):
         )
         if mismatch is not None:
             raise ValueError(f"draft_model {spec.draft_model}: {mismatch}")
-        max_len = min(self.context_length, draft_spec.context_length or self.context_length)
+        # The draft guesses only while a sequence fits its context (and, for a
+        # static-cache graph, its fixed KV capacity); past that the sequence
+        # decodes without it.
+        max_len = min(
+            self.context_length,
+            draft_spec.context_length or self.context_length,
+            (draft_spec.static_cache.capacity if draft_spec.static_cache else None)
+            or self.context_length,
+        )
         runner = create_runner(
             draft_spec, config.runner, max_slots=config.scheduler.max_num_seqs, max_len=max_len
         )
@@ -187,6 +196,7 @@ class LLMEngine(InProcessDriver):
             model_id=draft_spec.model_id,
             num_tokens=spec.num_tokens,
             target_vocab=self.vocab_size,
+            draft_vocab=draft_spec.vocab_size,
             max_len=max_len,
             catchup_tokens=config.scheduler.max_num_batched_tokens,
             parked_bytes=config.sessions.max_parked_kv_bytes,
@@ -811,6 +821,12 @@ class LLMEngine(InProcessDriver):
                 self.speculation.forget(seq.seq_id)
         self.scheduler.remove(seq)
         self.kv_reuse.retire(seq, shareable)
+
+    def _forget_session(self, session_id: str) -> None:
+        """A session was reset, closed or dropped from memory: so is its draft KV."""
+        speculation = getattr(self, "speculation", None)  # (sessions come first in __init__)
+        if speculation is not None and speculation.draft is not None:
+            speculation.draft.forget_session(session_id)
 
     def _park_session(self, seq: Sequence) -> None:
         """A session turn's last token is computed: park its KV with the session."""

@@ -415,9 +415,13 @@ def vocabulary_mismatch(target: Tokenizer, draft: Tokenizer) -> str | None:
     d = {i: s for s, i in draft.inner.get_vocab(with_added_tokens=True).items()}
     for i in range(max(len(t), len(d), max(t, default=-1) + 1, max(d, default=-1) + 1)):
         if t.get(i) != d.get(i):
+
+            def show(s: str | None) -> str:
+                return "absent" if s is None else repr(s)
+
             return (
-                f"token id {i} is {t.get(i)!r} in the target's vocabulary and "
-                f"{d.get(i)!r} in the draft's ({len(t)} and {len(d)} tokens); "
+                f"token id {i} is {show(t.get(i))} in the target's vocabulary and "
+                f"{show(d.get(i))} in the draft's ({len(t)} and {len(d)} tokens); "
                 "the draft's token ids and strings must equal the target's"
             )
     return None

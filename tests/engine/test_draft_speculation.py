@@ -95,7 +95,7 @@ def test_tokens_are_those_of_a_plain_decode(
         assert c["spec_accepted_tokens.draft"] > 0
     assert engine.info().speculative_mode == "draft"
     assert engine.info().draft_model_id == drafts[draft].name
-    assert all(engine.speculation.draft.runner.kv_len(i) == 0 for i in range(8))  # type: ignore[union-attr]
+    assert engine.speculation.draft.runner.active == 0  # type: ignore[union-attr]  # all released
 
 
 def test_a_right_draft_gives_k_plus_one_tokens_per_step(
@@ -193,7 +193,29 @@ def test_a_rewound_session_reuses_the_drafts_kv_only_as_far_as_it_agrees(
         engine.generate(request("t1", "and the dog", 10, session_id=sid))
         engine.rewind_session(sid, turns=1)
         outs[draft] = engine.generate(request("t2", "a bird saw", 10, session_id=sid)).token_ids
+        if draft is not None:
+            # The target as its own draft: a restored draft KV that did not
+            # match the tokens would make some greedy guess wrong.
+            c = engine.counters
+            assert c["spec_accepted_tokens"] == c["spec_draft_tokens"] > 0
     assert outs[None] == outs[drafts["same"]]
+
+
+def test_closing_or_resetting_a_session_drops_its_parked_draft_kv(
+    tiny_models: dict[str, Path], drafts: dict[str, Path]
+) -> None:
+    engine = engine_for(tiny_models["gqa"], drafts["same"])
+    draft = engine.speculation.draft  # type: ignore[union-attr]
+    assert draft is not None
+    sids = [engine.create_session().session_id for _ in range(2)]
+    for i, sid in enumerate(sids):
+        engine.generate(request(f"t{i}", PROMPT, 8, session_id=sid))
+    while engine.has_unfinished():  # the commit steps
+        engine.step()
+    assert draft.parked_sessions == 2
+    engine.close_session(sids[0])
+    engine.reset_session(sids[1])
+    assert draft.parked_sessions == 0 and draft._parked_total == 0
 
 
 def test_stop_sequences_and_max_tokens_inside_a_guess(
@@ -294,11 +316,11 @@ def test_batched_guessing_spans_all_speculating_sequences(
 def test_config_errors() -> None:
     with pytest.raises(ValueError, match=r"--draft-model needs --speculate N"):
         SpeculationConfig(0, draft_model="d")
-    with pytest.raises(ValueError, match="speculative_mode draft needs --draft-model DIR"):
+    with pytest.raises(ValueError, match="--speculative-mode draft needs --draft-model DIR"):
         SpeculationConfig(4, mode="draft")
     with pytest.raises(ValueError, match="prompt-lookup never uses --draft-model"):
         SpeculationConfig(4, draft_model="d", mode="prompt-lookup")
-    with pytest.raises(ValueError, match="speculative_mode must be one of"):
+    with pytest.raises(ValueError, match="--speculative-mode must be one of"):
         SpeculationConfig(4, mode="eagle")
     assert SpeculationConfig(4).resolved_mode == "prompt-lookup"
     assert SpeculationConfig(4, draft_model="d").resolved_mode == "auto"
@@ -443,12 +465,31 @@ def test_a_failing_draft_model_costs_its_guesses_not_the_request(
     draft = engine.speculation.draft  # type: ignore[union-attr]
     assert draft is not None
 
+    calls = []
+
     def broken(items: object) -> np.ndarray:
+        calls.append(items)
         raise RuntimeError("draft ORT failure")
 
     monkeypatch.setattr(draft.runner, "run", broken)
     monkeypatch.setattr(draft.runner, "verify_batch", broken)
+    got = engine.generate(request("a", PROMPT, 40))
+    plain = engine_for(tiny_models["gqa"], None).generate(request("a", PROMPT, 40))
+    assert got.token_ids == plain.token_ids
+    assert engine.counters["spec_draft_tokens"] == 0
+    # A draft that keeps failing backs off (1, 2, 4, ... steps): not asked every step.
+    assert 3 <= len(calls) <= 6
+
+
+def test_a_sequence_with_ids_past_the_drafts_vocabulary_gets_no_guesses(
+    tiny_models: dict[str, Path], drafts: dict[str, Path]
+) -> None:
+    engine = engine_for(tiny_models["gqa"], drafts["same"])
+    draft = engine.speculation.draft  # type: ignore[union-attr]
+    assert draft is not None
+    draft.draft_vocab = max(encode_words(PROMPT))  # as if its embedding were smaller
     got = engine.generate(request("a", PROMPT, 20))
     plain = engine_for(tiny_models["gqa"], None).generate(request("a", PROMPT, 20))
     assert got.token_ids == plain.token_ids
     assert engine.counters["spec_draft_tokens"] == 0
+    assert draft.runner.active == 0  # never fed

@@ -193,3 +193,34 @@ def test_prompt_lookup_speculation_gives_the_same_tokens(
     r = eng.generate(greedy("s", ids, 16))
     assert list(r.token_ids) == reference_greedy(tiny_model_dir, ids, 16)
     assert eng.counters["spec_draft_tokens"] > 0  # verified on this runner
+
+
+def test_verify_batch_checks_several_sequences_as_verify_does_each(
+    static_cache_model_dir: Path, tiny_model_dir: Path
+) -> None:
+    runner = StaticCacheRunner(
+        load_model_spec(static_cache_model_dir), RunnerConfig(), max_slots=3, max_len=64
+    )
+    prompts = [PROMPT, encode_words("a bird saw the dog"), encode_words("the mat and")]
+    for sid, ids in enumerate(prompts):
+        runner.run([StepItem(sid, ids[:-2], 0)])
+    rows = runner.verify_batch(
+        [StepItem(sid, ids[-2:], len(ids) - 2) for sid, ids in enumerate(prompts)]
+    )
+    for sid, ids in enumerate(prompts):
+        assert rows[sid].shape[0] == 2 and runner.kv_len(sid) == len(ids)
+        for j in range(2):
+            want = reference_logits(tiny_model_dir, ids[: len(ids) - 1 + j])
+            np.testing.assert_allclose(rows[sid][j], want, atol=1e-4)
+
+
+def test_a_static_cache_graph_drafts_for_its_past_present_twin(
+    static_cache_model_dir: Path, tiny_model_dir: Path
+) -> None:
+    """The same weights behind the other I/O: every greedy guess is right."""
+    spec = SpeculationConfig(4, 4, draft_model=str(static_cache_model_dir), mode="draft")
+    eng = engine(tiny_model_dir, speculation=spec)
+    r = eng.generate(greedy("d", PROMPT, 16))
+    assert list(r.token_ids) == reference_greedy(tiny_model_dir, PROMPT, 16)
+    c = eng.counters
+    assert c["spec_accepted_tokens.draft"] == c["spec_draft_tokens.draft"] > 0

@@ -166,6 +166,11 @@ class PastPresentRunner(ModelRunner):
 
     # -- KV bookkeeping -------------------------------------------------------
 
+    @property
+    def active(self) -> int:
+        """Sequences holding KV."""
+        return len(self._kv)
+
     def kv_len(self, seq_id: int) -> int:
         layers = self._kv.get(seq_id)
         return 0 if not layers else int(layers[0][0].shape[1])

@@ -155,15 +155,19 @@ class SessionTable:
         clock: Callable[[], float] = time.time,  # wall clock: timestamps are shown to users
         on_evict: Callable[[Session], None] | None = None,
         persistent: bool = False,
+        on_forget: Callable[[str], None] | None = None,
     ) -> None:
         """With ``persistent`` (sessions have kvstore records), an idle session
         past its TTL, or the least recently used idle one when the table is
         full, is only evicted from memory; the engine brings it back from its
-        record on its next use (``adopt``)."""
+        record on its next use (``adopt``). ``on_forget(session_id)``: the
+        session was reset, closed, expired or evicted from memory (what else
+        is kept per session, a draft model's KV, goes with it)."""
         self.max_sessions = max_sessions
         self.idle_ttl_s = idle_ttl_s
         self._clock = clock
         self._on_evict = on_evict
+        self._on_forget = on_forget
         self.persistent = persistent
         self._sessions: dict[str, Session] = {}
         self.evicted = 0
@@ -430,6 +434,8 @@ class SessionTable:
         return not session.busy and now - session.last_used_at > session.idle_ttl_s
 
     def _release_kv(self, session: Session) -> None:
+        if self._on_forget is not None:
+            self._on_forget(session.session_id)
         if self._on_evict is not None and (session.kv is not None or session.committing):
             self._on_evict(session)
         session.kv = None

@@ -12,7 +12,9 @@ the draft's KV back to the tokens the sequence really has, as the target's
 is cut. A session turn's draft KV is parked here in host memory, by session
 id (never in the kvstore, never under the target's chunk keys), and written
 back for the next turn as far as the new context begins with it; an LRU
-bounded by bytes drops what does not fit (its next turn re-feeds the draft).
+bounded by bytes (a second ``--max-parked-kv-bytes``, beside the target's)
+drops what does not fit (its next turn re-feeds the draft), and a session's
+reset, close or expiry drops its entry (``forget_session``).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class DraftModel(Proposer):
         model_id: str,
         num_tokens: int,
         target_vocab: int,
+        draft_vocab: int,
         max_len: int,
         catchup_tokens: int,
         parked_bytes: int,
@@ -74,6 +77,7 @@ class DraftModel(Proposer):
         self.model_id = model_id
         self.num_tokens = num_tokens
         self.target_vocab = target_vocab  # guesses stop before an id the target lacks
+        self.draft_vocab = draft_vocab  # a sequence holding an id the draft lacks never guesses
         self.max_len = max_len  # the draft's context (its KV buffers' length)
         self.catchup_tokens = catchup_tokens  # draft prefill tokens per step, all sequences
         self.parked_bytes = parked_bytes
@@ -97,6 +101,10 @@ class DraftModel(Proposer):
                 continue
             held = self._held(seq)
             todo = list(tokens[held:])  # at least the last token (its KV is never held)
+            if max(todo) >= self.draft_vocab:
+                # (a target whose logits are wider than the draft's embedding)
+                self.failed(seq.seq_id)
+                continue
             if len(todo) > 1:
                 if len(todo) - 1 > budget:
                     # Too far behind for this step: feed a chunk of the rest, no guess yet.
@@ -170,7 +178,7 @@ class DraftModel(Proposer):
         self.catchup_fed += sum(len(t) - 1 for _, t, _ in feeds)
         self.steps += 1
         longest = max(len(t) for _, t, _ in feeds)
-        if longest == 1 or len(items) == 1:
+        if longest == 1 or len(items) == 1 or not self.runner.can_verify:
             return list(self.runner.run(items))
         if longest <= self.num_tokens + 2:
             # One padded call for all rows (a prefill path would be one call each).
@@ -196,6 +204,18 @@ class DraftModel(Proposer):
         self.runner.release(seq_id)
         self.backoff.forget(seq_id)
         self._proposed_at.pop(seq_id, None)
+
+    def failed(self, seq_id: int) -> None:
+        """No guess for ``seq_id`` this step (the draft's runner failed: its KV
+        may be half-written, so it is dropped): it backs off as after a guess
+        of which nothing was kept, so a draft that keeps failing is seldom asked."""
+        self.runner.release(seq_id)
+        self._proposed_at.pop(seq_id, None)
+        self.backoff.record(seq_id, 0)
+
+    def forget_session(self, session_id: str) -> None:
+        """The session was reset, closed or dropped: its parked draft KV goes too."""
+        self._drop_parked(session_id)
 
     # -- sessions ---------------------------------------------------------------------
 

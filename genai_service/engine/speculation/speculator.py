@@ -81,7 +81,7 @@ class Speculation:
         self.max_batch = config.max_batch
         self.draft = draft if self.mode in ("draft", "auto") else None
         if self.mode in ("draft", "auto") and draft is None:
-            raise ValueError(f"speculative_mode {self.mode} needs a draft model")
+            raise ValueError(f"--speculative-mode {self.mode} needs a draft model")
         self.lookup = (
             PromptLookup(config, config.num_tokens * (2 if self.mode == "auto" else 1))
             if self.mode in ("prompt-lookup", "auto")
@@ -124,7 +124,7 @@ class Speculation:
             except Exception:  # the draft's runner failed: this step goes on without it
                 log.exception("draft_model_failed", seqs=[w.seq.request_id for w in rest])
                 for want in rest:
-                    self.draft.forget(want.seq.seq_id)  # its draft KV may be half-written
+                    self.draft.failed(want.seq.seq_id)
                 guessed = {}
             for sid, tokens in guessed.items():
                 drafts[sid] = Draft(tokens, self.draft)
