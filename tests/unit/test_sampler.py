@@ -510,3 +510,26 @@ def test_the_one_row_path_draws_what_the_batched_path_draws(
     # (else it declines: nothing is cut; min-p with top-p cuts only after it)
     if (top_k or (min_p and top_p >= 1.0)) and masked < vocab - top_k:
         assert sampler._sample_cut_row(logits, logits, 0, one_by_one) is not None
+
+
+def test_the_log_sum_exp_in_blocks_of_rows_changes_no_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Logprobs take each row's log-sum-exp a block of rows at a time in one
+    reused buffer: the same logprobs and alternatives, bit for bit, whatever
+    the block."""
+    from genai_service.engine.sampling import sampler_kernels
+
+    v = 3 * 4096 + 77
+    logits = np.random.default_rng(3).standard_normal((5, v)).astype(np.float32) * 4
+
+    def run(block: int) -> SampleOutput:
+        monkeypatch.setattr(sampler_kernels, "LSE_BLOCK_ELEMENTS", block)
+        params = SamplingParams(temperature=0.7, top_p=0.9)
+        rows = [make_row(params, seed=i, top_logprobs=3, want_logprobs=True) for i in range(5)]
+        return sample(logits, prepare(rows))
+
+    one, blocks = run(1 << 40), run(2 * v)
+    assert one.token_ids.tolist() == blocks.token_ids.tolist()
+    assert one.logprobs is not None and blocks.logprobs is not None
+    assert one.logprobs.tobytes() == blocks.logprobs.tobytes()
+    for a, b in zip(one.top_logprobs, blocks.top_logprobs, strict=True):
+        assert a.tobytes() == b.tobytes()

@@ -793,9 +793,7 @@ def _logprobs_of(
     if not lr.size:
         return None, top_ids, top_lps
     r = raw if lr.size == b else raw[lr]  # [L, V]; read only
-    m = r.max(axis=1)
-    shifted = r - m[:, None]  # [L, V]
-    lse = m + np.log(np.exp(shifted, out=shifted).sum(axis=1))  # [L]
+    m, lse = kernels.row_logsumexp(r)  # [L] each
     logprobs = np.zeros(b, dtype=np.float32)
     logprobs[lr] = r[np.arange(lr.size), tokens[lr]] - lse
 
