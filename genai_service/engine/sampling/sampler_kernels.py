@@ -242,19 +242,22 @@ def dense_nucleus(
     as (row, token, value) lists.
 
     The nucleus is ranked among the tokens above a threshold, lowered until it
-    holds the nucleus: first fractions of the top probability, then
+    holds the nucleus: first fractions of the top probability, never below
     (1 - top_p) * mass / V (the tokens below that hold less than 1 - top_p of
-    the mass together), then, where rounding still defeats it, the whole row."""
+    the mass together), then that bound itself, then, where rounding still
+    defeats it, the whole row. A lower threshold only adds tokens below the
+    nucleus, so the level that finds it does not change what is kept; the
+    2^-17 step spares flat rows (nuclei of 10^4 tokens at V = 262,144) a sort
+    of every token above the bound (0.37 -> 0.28 ms per row, bench logits)."""
     p, v = e.shape
     target = top_p * mass
     floor = np.zeros(p, dtype=np.float32)
     left = np.arange(p)  # rows whose nucleus is not found yet
     parts = []
-    for level in (2.0**-7, 2.0**-14, None):
-        if level is None:
-            thr = ((1.0 - top_p[left]) * mass[left] / v).astype(np.float32)
-        else:
-            thr = np.full(left.size, level, dtype=np.float32)
+    for level in (2.0**-7, 2.0**-14, 2.0**-17, None):
+        thr = ((1.0 - top_p[left]) * mass[left] / v).astype(np.float32)
+        if level is not None:
+            np.maximum(thr, np.float32(level), out=thr)
         sub = take_rows(e, left)
         rr, cc = true_pairs(sub >= thr[:, None])
         vals = sub[rr, cc]
