@@ -19,9 +19,13 @@ converter. For each synthetic file of tests/synthetic_gguf.py (and, with
    tests/engine/data/builder_reference.json and
    tests/e2e/data/gemma3_builder.json, which tests/engine/test_architectures.py
    and tests/e2e/test_gemma3.py compare our own fp32 conversion against.
+   With ``--keep-gemma3 DIR`` the builder's Gemma 3 directory is kept there
+   for ``make bench ARGS="--gemma3-builder DIR"`` (bench/gemma3_bench.py).
 
 Steps 1–2 run in ``--builder-python``, an environment with torch,
-transformers and onnxruntime-genai (never this project's venv, never CI):
+transformers, onnxruntime-genai, onnx-ir, gguf and safetensors (``pip install
+torch transformers onnxruntime-genai onnx-ir gguf safetensors``; never this
+project's venv, never CI):
 this file re-runs itself there as ``python bench/builder_reference.py child``,
 so its top level imports nothing of ours.
 """
@@ -341,10 +345,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--builder-python", required=True, help="python of a venv with the builder")
     ap.add_argument("--gemma3", action="store_true", help="also Gemma 3 270M (several minutes)")
     ap.add_argument("--skip-synthetic", action="store_true")
+    ap.add_argument(
+        "--keep-gemma3",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also keep the builder's Gemma 3 directory there (bench.gemma3_bench --builder-dir)",
+    )
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from tests.synthetic_gguf import ARCHS, LLAMA3_ROPE, tiny_vocab, write_synthetic_gguf
 
+    if args.keep_gemma3 is not None and not args.gemma3:
+        ap.error("--keep-gemma3 needs --gemma3")
     made_by = _made_by(args.builder_python)
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_synthetic:
@@ -376,6 +389,11 @@ def main(argv: list[str] | None = None) -> None:
             data |= reference(gemma3_gguf().path, prompts, args.builder_python, work, None)
             GEMMA3_OUT.write_text(json.dumps(data, indent=1) + "\n")
             print("wrote", GEMMA3_OUT)
+            if args.keep_gemma3 is not None:
+                shutil.rmtree(args.keep_gemma3, ignore_errors=True)
+                shutil.copytree(work / "builder", args.keep_gemma3)
+                (args.keep_gemma3 / "made_by.txt").write_text(made_by + "\n")
+                print("kept", args.keep_gemma3)
 
 
 if __name__ == "__main__":

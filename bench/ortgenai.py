@@ -39,11 +39,20 @@ FAILED = 8
 
 class _Og:
     def __init__(
-        self, model_dir: str, threads: int, share_buffer: bool, max_length: int, engine: bool
+        self,
+        model_dir: str,
+        threads: int,
+        share_buffer: bool,
+        max_length: int,
+        engine: bool,
+        kv_floor: int = 0,
     ) -> None:
         import onnxruntime_genai as og
 
         self.og = og
+        # A generator's KV is at least this long (Gemma 3's local layers refuse
+        # a cache shorter than their window), whatever the request's length.
+        self.kv_floor = kv_floor
         config = og.Config(model_dir)
         config.overlay(
             json.dumps(
@@ -79,7 +88,9 @@ class _Og:
         submit = time.perf_counter()
         params = og.GeneratorParams(self.model)
         # min_length = max_length: EOS is masked, exactly new_tokens come out.
-        params.set_search_options(max_length=total, min_length=total, **_search_options(sampling))
+        params.set_search_options(
+            max_length=max(total, self.kv_floor), min_length=total, **_search_options(sampling)
+        )
         gen = og.Generator(self.model, params)
         gen.append_tokens(np.asarray([ids], np.int32))
         while len(tokens) < new_tokens and not gen.is_done():
@@ -270,6 +281,7 @@ class OgWorker:
         share_buffer: bool,
         max_length: int,
         engine: bool,
+        kv_floor: int = 0,
     ) -> None:
         from .procs import REPO, RssMonitor
 
@@ -281,6 +293,8 @@ class OgWorker:
             "max_length": max_length,
             "engine": engine,
         }
+        if kv_floor:
+            args["kv_floor"] = kv_floor
         self.settings = {k: v for k, v in args.items() if k != "model_dir"}
         self.model_dir = model_dir
         self.proc = subprocess.Popen(

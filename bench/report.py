@@ -442,6 +442,13 @@ def _draft_speculation_targets(r: Results) -> list[dict]:
     ]
 
 
+def _gemma3_targets(r: Results) -> list[dict]:
+    """The section's own targets (``bench/gemma3_bench.py``'s ``targets``), all ``≥``."""
+    return [
+        _target(t["target"], t["measured"], t["limit"], _ge) for t in r["gemma3"].get("targets", [])
+    ]
+
+
 def _http_targets(r: Results) -> list[dict]:
     http = r["http"]
     return [
@@ -1102,6 +1109,16 @@ SECTIONS: tuple[Section, ...] = (
             "(bench/draft_speculation.py)",
             "bench.draft_speculation",
             "draft_speculation",
+        ),
+    ),
+    Section(
+        "gemma3",
+        _gemma3_targets,
+        _own(
+            "Gemma 3 270M: our fp32 conversion against onnxruntime-genai's builder export "
+            "of the same weights (bench/gemma3_bench.py)",
+            "bench.gemma3_bench",
+            "gemma3",
         ),
     ),
     Section(

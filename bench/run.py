@@ -56,6 +56,7 @@ SECTIONS = (
     "session_fork",
     "session_slide",
     "draft_speculation",
+    "gemma3",
     "kvstore",
     "fleet",
     "http",
@@ -69,6 +70,7 @@ AFTER_CLOSE = (
     "session_fork",
     "session_slide",
     "draft_speculation",
+    "gemma3",
     "kvstore",
     "fleet",
     "http",
@@ -199,6 +201,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--gguf", default=None, metavar="PATH", help="GGUF for llama-server (the default model's)"
+    )
+    p.add_argument(
+        "--gemma3-builder",
+        default=None,
+        metavar="DIR",
+        help="onnxruntime-genai's builder export of Gemma 3 270M (python -m "
+        "bench.builder_reference --gemma3 --keep-gemma3 DIR): adds the gemma3 section",
     )
     p.add_argument(
         "--go-client",
@@ -352,6 +361,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 reps=plan.reps, threads=args.threads, quick=args.quick
             ),
         )
+    if "gemma3" in sections:
+        # A server and onnxruntime-genai workers of its own, on the second model.
+        if args.gemma3_builder:
+            run_section(
+                "gemma3",
+                lambda: own("gemma3_bench").measure(
+                    args.gemma3_builder, reps=plan.reps, threads=args.threads, quick=args.quick
+                ),
+            )
+        else:
+            results["gemma3"] = {"skipped": "no --gemma3-builder directory given"}
     if "kvstore" in sections:
         # After the other engines are gone: it starts engines of its own.
         run_section("kvstore", lambda: kvstore_section(str(model_dir), plan.reps, args.threads))
