@@ -93,7 +93,9 @@ the server: by the Python asyncio client and by the Go client (`clients/go/cmd/g
 which `make bench` builds; `--go-client PATH`), so the client's own CPU shows. Options:
 `--quick` (smoke test, writes no page),
 `--sections`, `--samplings greedy` (concurrency rows greedy only), `--llama-server PATH
-[--gguf PATH]` (adds llama.cpp's `llama-server` on the same GGUF; skipped without a binary).
+[--gguf PATH]` (adds llama.cpp's `llama-server` on the same GGUF; skipped without a binary),
+`--gemma3-builder DIR` (Gemma 3 270M against onnxruntime-genai's builder export of the same
+weights, bench/gemma3_bench.py; skipped without one; docs/models.md says how to make it).
 """
 
 

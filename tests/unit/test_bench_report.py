@@ -358,3 +358,49 @@ def test_fewer_streams_have_targets_and_go_client_rows_where_measured() -> None:
     md = report.markdown({**r, "targets": report.targets(r)})
     assert "| 1 | greedy | 160.00 | 170.00 | 126.00 | 120.00 | 1.33 | 1.05 |" in md
     assert f"| 1 streams, {shape} (Go client) | greedy | 0.10 | 6.00 | 0.05 |" in md
+
+
+def test_the_gemma3_section_has_its_targets_and_tables_or_says_why_not() -> None:
+    from bench import gemma3_bench
+
+    r = results()
+    r["gemma3"] = {"skipped": "no --gemma3-builder directory given"}
+    assert not [t for t in report.targets(r) if "Gemma" in t["target"]]
+    assert "Skipped: no --gemma3-builder directory given." in report.markdown(r)
+
+    g: dict = {
+        "builder_made_by": "builder 0.18",
+        "threads": 2,
+        "reps": 3,
+        "single_new_tokens": 128,
+        "stream_new_tokens": 128,
+        "single": {
+            "128/greedy": {
+                "ours_ttft_s": 0.2,
+                "og_ttft_s": 0.25,
+                "ours_decode_tok_s": 33.0,
+                "og_decode_tok_s": 30.0,
+                "same_first_tokens": [True, True, False],
+            }
+        },
+        "concurrent": {
+            "sampled": {
+                "ours_tok_s": 110.0,
+                "og_tok_s": 100.0,
+                "ours_ttft_p50_s": 1.0,
+                "og_ttft_p50_s": 2.0,
+            }
+        },
+    }
+    g["targets"] = gemma3_bench.targets(g)
+    r["gemma3"] = g
+    ts = _by_name(r)
+    one = ts[
+        "Gemma 3 270M fp32, single stream 128 tokens, greedy: decode tok/s ≥ 1.0× og.Generator"
+    ]
+    assert one["met"] is True and one["measured"] == pytest.approx(1.1)
+    eight = ts["Gemma 3 270M fp32, 8 streams, sampled: tok/s ≥ 1.2× og.Engine"]
+    assert eight["met"] is False and eight["measured"] == pytest.approx(1.1)
+    md = report.markdown(r)
+    assert "| 128 | greedy | 0.20 | 0.25 | 0.80 | 33.00 | 30.00 | 1.10 | yes yes no |" in md
+    assert "| sampled | 110.0 | 100.0 | 1.10 | 1.00 | 2.00 |" in md
