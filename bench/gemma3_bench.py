@@ -32,7 +32,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,14 @@ def _params(name: str, seed: int) -> dict | None:
 
 def _med(rows: Sequence[dict], key: str) -> float:
     return statistics.median(r[key] for r in rows)
+
+
+def _in_turns(runs: dict[str, Callable[[], Any]], rep: int) -> list[tuple[str, Any]]:
+    """Each engine's measurement, the engines taking turns going first by rep."""
+    order = list(runs)
+    if rep % 2:
+        order.reverse()
+    return [(engine, runs[engine]()) for engine in order]
 
 
 def measure(
@@ -93,15 +101,12 @@ def measure(
                 for name in SAMPLING_NAMES:
                     ids = source.take(plen)
                     params = _params(name, 1000 + rep)
-                    runs = [
-                        ("ours", lambda ids=ids, p=params: server_single(client, ids, new, p)),
-                        ("og", lambda ids=ids, p=params: workers["generator"].call(
-                            "single", ids=ids, new_tokens=new, sampling=p)),
-                    ]  # fmt: skip
-                    if rep % 2:
-                        runs.reverse()
-                    for engine, run in runs:
-                        out = run()
+                    runs = {
+                        "ours": lambda ids=ids, p=params: server_single(client, ids, new, p),
+                        "og": lambda ids=ids, p=params: workers["generator"].call(
+                            "single", ids=ids, new_tokens=new, sampling=p),
+                    }  # fmt: skip
+                    for engine, out in _in_turns(runs, rep):
                         key = f"{plen}/{name}"
                         raw["single"].setdefault(key, {}).setdefault(engine, []).append(
                             {k: out[k] for k in ("ttft_s", "decode_tok_s")}
@@ -120,16 +125,13 @@ def measure(
             for name in SAMPLING_NAMES:
                 prompts = [source.take(STREAM_PROMPT) for _ in range(STREAMS)]
                 per = [_params(name, 2000 + 100 * rep + i) for i in range(STREAMS)]
-                runs = [
-                    ("ours", lambda ps=prompts, per=per: server_concurrent(
-                        server.target, ps, streams_new, per)),
-                    ("og", lambda ps=prompts, per=per: workers["engine"].call(
-                        "concurrent", prompts=ps, new_tokens=streams_new, sampling=per)),
-                ]  # fmt: skip
-                if rep % 2:
-                    runs.reverse()
-                for engine, run in runs:
-                    out = run()
+                runs = {
+                    "ours": lambda ps=prompts, per=per: server_concurrent(
+                        server.target, ps, streams_new, per),
+                    "og": lambda ps=prompts, per=per: workers["engine"].call(
+                        "concurrent", prompts=ps, new_tokens=streams_new, sampling=per),
+                }  # fmt: skip
+                for engine, out in _in_turns(runs, rep):
                     stats = concurrency_stats(out["submit"], out["streams"])
                     raw["concurrent"].setdefault(name, {}).setdefault(engine, []).append(stats)
         client.close()
