@@ -87,7 +87,8 @@ class _Og:
         tokens: list[int] = []
         submit = time.perf_counter()
         params = og.GeneratorParams(self.model)
-        # min_length = max_length: EOS is masked, exactly new_tokens come out.
+        # min_length = the request's length: EOS is masked, exactly new_tokens come out
+        # (max_length may be longer: kv_floor).
         params.set_search_options(
             max_length=max(total, self.kv_floor), min_length=total, **_search_options(sampling)
         )

@@ -815,7 +815,12 @@ class LLMEngine(InProcessDriver):
         shareable = seq.status is SeqStatus.RUNNING or seq.status is SeqStatus.COMMITTING
         seq.status = SeqStatus.FINISHED
         if self.speculation is not None:
-            if shareable and seq.session is not None:
+            session = seq.session
+            if (
+                shareable
+                and session is not None
+                and self.sessions.find(session.session_id) is session
+            ):
                 self.speculation.park(seq)  # the draft's KV, for the session's next turn
             else:
                 self.speculation.forget(seq.seq_id)

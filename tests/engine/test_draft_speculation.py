@@ -218,6 +218,22 @@ def test_closing_or_resetting_a_session_drops_its_parked_draft_kv(
     assert draft.parked_sessions == 0 and draft._parked_total == 0
 
 
+@pytest.mark.parametrize("end", ["close", "reset"])
+def test_a_session_ended_while_its_turn_commits_parks_no_draft_kv(
+    tiny_models: dict[str, Path], drafts: dict[str, Path], end: str
+) -> None:
+    engine = engine_for(tiny_models["gqa"], drafts["same"])
+    draft = engine.speculation.draft  # type: ignore[union-attr]
+    assert draft is not None
+    sid = engine.create_session().session_id
+    engine.generate(request("t0", PROMPT, 8, session_id=sid))
+    assert engine.has_unfinished()  # the turn's last token is still to be committed
+    getattr(engine, f"{end}_session")(sid)
+    while engine.has_unfinished():
+        engine.step()
+    assert draft.parked_sessions == 0 and draft.runner.active == 0
+
+
 def test_stop_sequences_and_max_tokens_inside_a_guess(
     tiny_models: dict[str, Path], drafts: dict[str, Path]
 ) -> None:

@@ -60,7 +60,8 @@ _lse_buffer = np.empty(0, dtype=np.float32)
 def row_logsumexp(r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each row's maximum and log-sum-exp of ``r`` [N, V] float32 (the
     log-softmax's normaliser), a block of rows at a time in one reused buffer;
-    every row's sums are the same whatever N."""
+    every row's sums are the same whatever N. Not re-entrant (the buffer is
+    the module's): the sampler runs on the engine thread only."""
     global _lse_buffer
     n, v = r.shape
     m = r.max(axis=1)

@@ -161,8 +161,9 @@ class SessionTable:
         past its TTL, or the least recently used idle one when the table is
         full, is only evicted from memory; the engine brings it back from its
         record on its next use (``adopt``). ``on_forget(session_id)``: the
-        session was reset, closed, expired or evicted from memory (what else
-        is kept per session, a draft model's KV, goes with it)."""
+        session was reset, closed, expired, evicted from memory or replaced by a
+        newer record (what else is kept per session, a draft model's KV, goes
+        with it)."""
         self.max_sessions = max_sessions
         self.idle_ttl_s = idle_ttl_s
         self._clock = clock

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
+import structlog
 
 from ..kv.prefix_cache import KvLayers
 from ..runner.step_item import StepItem
@@ -33,6 +34,8 @@ from .proposer import Backoff, DraftWant, Proposer
 
 if TYPE_CHECKING:
     from ..runner.model_runner import ModelRunner
+
+log = structlog.get_logger(__name__)
 
 
 def _kv_nbytes(layers: KvLayers) -> int:
@@ -83,6 +86,7 @@ class DraftModel(Proposer):
         self.parked_bytes = parked_bytes
         self.backoff = Backoff(DRAFT_MAX_BACKOFF_STEPS)
         self._proposed_at: dict[int, int] = {}  # seq_id -> len(token_ids) at its last guess
+        self._outside: set[int] = set()  # sequences holding an id the draft cannot embed
         # session id -> (the tokens the KV is of, their KV); LRU by bytes.
         self._parked: OrderedDict[str, tuple[tuple[int, ...], KvLayers]] = OrderedDict()
         self._parked_total = 0
@@ -90,6 +94,19 @@ class DraftModel(Proposer):
         self.catchup_fed = 0  # tokens fed to catch up (prompts, session turns)
 
     def propose(self, wants: Sequence[DraftWant]) -> dict[int, list[int]]:
+        """Guesses for ``wants``; if the draft's runner fails, none this step (the
+        request goes on without them): the sequences it was computing lose their
+        draft KV and back off (``failed``), the others keep theirs."""
+        touched: list[int] = []  # sequences whose draft KV this call writes
+        try:
+            return self._propose(wants, touched)
+        except Exception:
+            log.exception("draft_model_failed", seqs=[w.seq.request_id for w in wants])
+            for sid in touched:
+                self.failed(sid)
+            return {}
+
+    def _propose(self, wants: Sequence[DraftWant], touched: list[int]) -> dict[int, list[int]]:
         budget = self.catchup_tokens
         feeds: list[tuple[Seq, list[int], int]] = []  # (seq, tokens to feed, limit)
         for want in wants:
@@ -97,13 +114,16 @@ class DraftModel(Proposer):
             tokens = seq.token_ids
             if limit <= 0 or len(tokens) + limit > self.max_len:
                 continue
-            if self.backoff.pausing(seq.seq_id):
+            if seq.seq_id in self._outside or self.backoff.pausing(seq.seq_id):
                 continue
+            touched.append(seq.seq_id)
             held = self._held(seq)
             todo = list(tokens[held:])  # at least the last token (its KV is never held)
             if max(todo) >= self.draft_vocab:
-                # (a target whose logits are wider than the draft's embedding)
-                self.failed(seq.seq_id)
+                # A target whose logits are wider than the draft's embedding picked
+                # an id the draft cannot read: no guesses for this sequence again.
+                self._outside.add(seq.seq_id)
+                self.runner.release(seq.seq_id)
                 continue
             if len(todo) > 1:
                 if len(todo) - 1 > budget:
@@ -204,11 +224,12 @@ class DraftModel(Proposer):
         self.runner.release(seq_id)
         self.backoff.forget(seq_id)
         self._proposed_at.pop(seq_id, None)
+        self._outside.discard(seq_id)
 
     def failed(self, seq_id: int) -> None:
-        """No guess for ``seq_id`` this step (the draft's runner failed: its KV
-        may be half-written, so it is dropped): it backs off as after a guess
-        of which nothing was kept, so a draft that keeps failing is seldom asked."""
+        """The draft's runner failed while computing ``seq_id``: its draft KV may
+        be half-written, so it is dropped, and the sequence backs off as after a
+        guess of which nothing was kept (a draft that keeps failing is seldom asked)."""
         self.runner.release(seq_id)
         self._proposed_at.pop(seq_id, None)
         self.backoff.record(seq_id, 0)
@@ -220,9 +241,15 @@ class DraftModel(Proposer):
     # -- sessions ---------------------------------------------------------------------
 
     def park(self, seq: Seq) -> None:
-        """Keep ``seq``'s draft KV for its session's next turn, then free its slot."""
+        """Keep ``seq``'s draft KV for its session's next turn, as far as the
+        session's history (a reset or rewind may have cut it meanwhile) begins
+        with ``seq``'s tokens, then free its slot."""
         session, sid = seq.session, seq.seq_id
         held = min(self.runner.kv_len(sid), len(seq.token_ids))
+        if session is not None:
+            history = session.history
+            h = len(history)
+            held = min(held, h) if list(seq.token_ids[:h]) == list(history) else 0
         if session is not None and held and self.parked_bytes:
             layers = self.runner.read_kv(sid, 0, held)
             self._drop_parked(session.session_id)

@@ -118,14 +118,8 @@ class Speculation:
                 if self.draft is None or len(tokens) > self.draft.num_tokens:
                     drafts[sid] = Draft(tokens, self.lookup)
         if self.draft is not None:
-            rest = [w for w in wants if w.seq.seq_id not in drafts]
-            try:
-                guessed = self.draft.propose(rest)
-            except Exception:  # the draft's runner failed: this step goes on without it
-                log.exception("draft_model_failed", seqs=[w.seq.request_id for w in rest])
-                for want in rest:
-                    self.draft.failed(want.seq.seq_id)
-                guessed = {}
+            # (A draft whose runner fails gives no guesses: DraftModel.propose.)
+            guessed = self.draft.propose([w for w in wants if w.seq.seq_id not in drafts])
             for sid, tokens in guessed.items():
                 drafts[sid] = Draft(tokens, self.draft)
         for seq, _ in items:
