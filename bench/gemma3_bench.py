@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .procs import REPO, free_port, machine_info, versions  # noqa: F401 - free_port for callers
+from .procs import REPO, machine_info, versions
 from .workload import SAMPLINGS, TokenSource, concurrency_stats
 
 SINGLE_PROMPTS = (128, 512)

@@ -117,6 +117,7 @@ class LLMEngine(InProcessDriver):
         # KvReuse.namespace_of (scoped by principal and cache_salt).
         self.namespace = self.kv_reuse.namespace
         self.chunk_size = self.kv_reuse.chunk_size
+        self.speculation: Speculation | None = None  # set below; sessions report to it
         self.sessions = SessionTable(
             config.sessions.max_sessions,
             config.sessions.idle_ttl_s,
@@ -829,9 +830,8 @@ class LLMEngine(InProcessDriver):
 
     def _forget_session(self, session_id: str) -> None:
         """A session was reset, closed or dropped from memory: so is its draft KV."""
-        speculation = getattr(self, "speculation", None)  # (sessions come first in __init__)
-        if speculation is not None and speculation.draft is not None:
-            speculation.draft.forget_session(session_id)
+        if self.speculation is not None and self.speculation.draft is not None:
+            self.speculation.draft.forget_session(session_id)
 
     def _park_session(self, seq: Sequence) -> None:
         """A session turn's last token is computed: park its KV with the session."""

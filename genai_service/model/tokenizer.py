@@ -408,6 +408,10 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
+def _shown(token: str | None) -> str:
+    return "absent" if token is None else repr(token)
+
+
 def vocabulary_mismatch(target: Tokenizer, draft: Tokenizer) -> str | None:
     """Why ``draft``'s guesses cannot be read as ``target``'s tokens, or None:
     both vocabularies must hold the same token strings under the same ids."""
@@ -415,13 +419,9 @@ def vocabulary_mismatch(target: Tokenizer, draft: Tokenizer) -> str | None:
     d = {i: s for s, i in draft.inner.get_vocab(with_added_tokens=True).items()}
     for i in range(max(len(t), len(d), max(t, default=-1) + 1, max(d, default=-1) + 1)):
         if t.get(i) != d.get(i):
-
-            def show(s: str | None) -> str:
-                return "absent" if s is None else repr(s)
-
             return (
-                f"token id {i} is {show(t.get(i))} in the target's vocabulary and "
-                f"{show(d.get(i))} in the draft's ({len(t)} and {len(d)} tokens); "
+                f"token id {i} is {_shown(t.get(i))} in the target's vocabulary and "
+                f"{_shown(d.get(i))} in the draft's ({len(t)} and {len(d)} tokens); "
                 "the draft's token ids and strings must equal the target's"
             )
     return None

@@ -245,12 +245,14 @@ class DraftModel(Proposer):
         session's history (a reset or rewind may have cut it meanwhile) begins
         with ``seq``'s tokens, then free its slot."""
         session, sid = seq.session, seq.seq_id
-        held = min(self.runner.kv_len(sid), len(seq.token_ids))
-        if session is not None:
-            history = session.history
-            h = len(history)
-            held = min(held, h) if list(seq.token_ids[:h]) == list(history) else 0
-        if session is not None and held and self.parked_bytes:
+        if session is None:
+            self.forget(sid)
+            return
+        h = len(session.history)
+        held = min(self.runner.kv_len(sid), h)
+        if list(seq.token_ids[:h]) != list(session.history):
+            held = 0
+        if held and self.parked_bytes:
             layers = self.runner.read_kv(sid, 0, held)
             self._drop_parked(session.session_id)
             self._parked[session.session_id] = (tuple(seq.token_ids[:held]), layers)

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
-import structlog
 
 from ...config import SpeculationConfig
 from ...contract.request import RequestOutput, TokenLogprob, merge_outputs
@@ -31,7 +30,6 @@ if TYPE_CHECKING:
     from ..runner.model_runner import ModelRunner
 
 T = TypeVar("T")
-log = structlog.get_logger(__name__)
 
 
 def follow_draft(
