@@ -1116,7 +1116,8 @@ SECTIONS: tuple[Section, ...] = (
         _gemma3_targets,
         _own(
             "Gemma 3 270M: our fp32 conversion against onnxruntime-genai's builder export "
-            "of the same weights (bench/gemma3_bench.py)",
+            "of the same weights, and our served conversion against llama-server on the "
+            "GGUF (bench/gemma3_bench.py)",
             "bench.gemma3_bench",
             "gemma3",
         ),

@@ -365,15 +365,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if "gemma3" in sections:
         # A server and onnxruntime-genai workers of its own, on the second model.
-        if args.gemma3_builder:
+        # Either comparison runs alone: og with a builder directory, llama.cpp
+        # with a binary.
+        if args.gemma3_builder or args.llama_server:
             run_section(
                 "gemma3",
                 lambda: own("gemma3_bench").measure(
-                    args.gemma3_builder, reps=plan.reps, threads=args.threads, quick=args.quick
+                    args.gemma3_builder,
+                    reps=plan.reps,
+                    threads=args.threads,
+                    quick=args.quick,
+                    llama_server=args.llama_server,
                 ),
             )
         else:
-            results["gemma3"] = {"skipped": "no --gemma3-builder directory given"}
+            results["gemma3"] = {
+                "skipped": "no --gemma3-builder directory or --llama-server binary given"
+            }
     if "kvstore" in sections:
         # After the other engines are gone: it starts engines of its own.
         run_section("kvstore", lambda: kvstore_section(str(model_dir), plan.reps, args.threads))

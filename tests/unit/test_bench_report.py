@@ -404,3 +404,50 @@ def test_the_gemma3_section_has_its_targets_and_tables_or_says_why_not() -> None
     md = report.markdown(r)
     assert "| 128 | greedy | 0.20 | 0.25 | 0.80 | 33.00 | 30.00 | 1.10 | yes yes no |" in md
     assert "| sampled | 110.0 | 100.0 | 1.10 | 1.00 | 2.00 |" in md
+
+
+def test_the_gemma3_section_compares_with_llama_server_with_or_without_og() -> None:
+    from bench import gemma3_bench
+
+    ll = {
+        "ours_weights": "int8",
+        "llama_version": "version: 1 (abc)",
+        "command": "llama-server -m g.gguf -t 2",
+        "single_new_tokens": 128,
+        "stream_new_tokens": 128,
+        "single": {
+            "512/sampled": {
+                "ours_ttft_s": 0.5,
+                "llama_ttft_s": 1.0,
+                "ours_decode_tok_s": 45.0,
+                "llama_decode_tok_s": 50.0,
+            }
+        },
+        "concurrent": {
+            "greedy": {
+                "ours_tok_s": 160.0,
+                "llama_tok_s": 100.0,
+                "ours_ttft_p50_s": 1.0,
+                "llama_ttft_p50_s": 2.0,
+            }
+        },
+    }
+    r = results()
+    g: dict = {"llama": ll}  # no builder directory: the llama-server comparison alone
+    g["targets"] = gemma3_bench.targets(g)
+    r["gemma3"] = g
+    ts = _by_name(r)
+    one = ts["Gemma 3 270M, single stream 512 tokens, sampled: decode tok/s ≥ 1.0× llama-server"]
+    assert one["met"] is False and one["measured"] == pytest.approx(0.9)
+    eight = ts["Gemma 3 270M, 8 streams, greedy: tok/s ≥ 1.5× llama-server"]
+    assert eight["met"] is True and eight["measured"] == pytest.approx(1.6)
+    assert not [t for t in ts if t.startswith("Gemma") and "og." in t]
+    md = report.markdown(r)
+    assert (
+        "| 1 stream, 512-token prompt + 128 (decode) | sampled | 45.00 | 50.00 | 0.90 "
+        "| 0.50 | 1.00 | 0.50 |" in md
+    )
+    assert "| 8 streams, 64-token prompts + 128 (total) | greedy | 160.0 | 100.0 | 1.60 |" in md
+    assert "version: 1 (abc)" in md and "(int8 weights)" in md
+    with pytest.raises(ValueError, match="builder directory, a llama-server binary"):
+        gemma3_bench.measure(None)
