@@ -95,7 +95,8 @@ which `make bench` builds; `--go-client PATH`), so the client's own CPU shows. O
 `--sections`, `--samplings greedy` (concurrency rows greedy only), `--llama-server PATH
 [--gguf PATH]` (adds llama.cpp's `llama-server` on the same GGUF; skipped without a binary),
 `--gemma3-builder DIR` (Gemma 3 270M against onnxruntime-genai's builder export of the same
-weights, bench/gemma3_bench.py; skipped without one; docs/models.md says how to make it).
+weights, bench/gemma3_bench.py; docs/models.md says how to make it; a `--llama-server` binary
+adds Gemma 3 against llama.cpp on its GGUF; skipped with neither).
 """
 
 
