@@ -93,6 +93,44 @@ def measure(
     return result
 
 
+def _record_single(raw: dict, key: str, runs: dict[str, Callable[[], Any]], rep: int) -> None:
+    """One single-stream row of each engine, in turns: TTFT, decode and the first 16
+    token ids (where the engine reports them)."""
+    for engine, out in _in_turns(runs, rep):
+        raw["single"].setdefault(key, {}).setdefault(engine, []).append(
+            {k: out[k] for k in ("ttft_s", "decode_tok_s")}
+            | {"token_ids": out.get("token_ids", [])[:16]}
+        )
+
+
+def _record_concurrent(raw: dict, name: str, runs: dict[str, Callable[[], Any]], rep: int) -> None:
+    for engine, out in _in_turns(runs, rep):
+        stats = concurrency_stats(out["submit"], out["streams"])
+        raw["concurrent"].setdefault(name, {}).setdefault(engine, []).append(stats)
+
+
+def _medians(raw: dict, other: str) -> dict[str, Any]:
+    """Medians over reps of ours and ``other``'s rows, keyed ``ours_*`` / ``{other}_*``."""
+    return {
+        "single": {
+            key: {
+                f"{side}_{metric}": _med(v[side], metric)
+                for metric in ("ttft_s", "decode_tok_s")
+                for side in ("ours", other)
+            }
+            for key, v in raw["single"].items()
+        },
+        "concurrent": {
+            name: {
+                f"{side}_{metric}": _med(v[side], stat)
+                for metric, stat in (("tok_s", "agg_tok_s"), ("ttft_p50_s", "ttft_p50_s"))
+                for side in ("ours", other)
+            }
+            for name, v in raw["concurrent"].items()
+        },
+    }
+
+
 def _measure_llama(binary: str, reps: int, threads: int, quick: bool) -> dict[str, Any]:
     """Ours (``--model gemma3-270m``'s conversion) against ``llama-server`` on the
     GGUF: single streams and 8 concurrent streams, in turns, medians."""
@@ -126,10 +164,7 @@ def _measure_llama(binary: str, reps: int, threads: int, quick: bool) -> dict[st
                         "ours": lambda ids=ids, p=params: server_single(client, ids, new, p),
                         "llama": lambda ids=ids, p=params, ll=llama: ll.single(ids, new, p),
                     }
-                    for engine, out in _in_turns(runs, rep):
-                        raw["single"].setdefault(f"{plen}/{name}", {}).setdefault(
-                            engine, []
-                        ).append({k: out[k] for k in ("ttft_s", "decode_tok_s")})
+                    _record_single(raw, f"{plen}/{name}", runs, rep)
             for name in SAMPLING_NAMES:
                 prompts = [source.take(STREAM_PROMPT) for _ in range(STREAMS)]
                 per = [_params(name, 4000 + 100 * rep + i) for i in range(STREAMS)]
@@ -139,9 +174,7 @@ def _measure_llama(binary: str, reps: int, threads: int, quick: bool) -> dict[st
                     "llama": lambda ps=prompts, per=per, ll=llama: ll.concurrent(
                         ps, streams_new, per),
                 }  # fmt: skip
-                for engine, out in _in_turns(runs, rep):
-                    stats = concurrency_stats(out["submit"], out["streams"])
-                    raw["concurrent"].setdefault(name, {}).setdefault(engine, []).append(stats)
+                _record_concurrent(raw, name, runs, rep)
         client.close()
         command = " ".join(llama.cmd)
     finally:
@@ -157,24 +190,7 @@ def _measure_llama(binary: str, reps: int, threads: int, quick: bool) -> dict[st
         "single_new_tokens": new,
         "stream_new_tokens": streams_new,
         "raw": raw,
-        "single": {
-            key: {
-                "ours_ttft_s": _med(v["ours"], "ttft_s"),
-                "llama_ttft_s": _med(v["llama"], "ttft_s"),
-                "ours_decode_tok_s": _med(v["ours"], "decode_tok_s"),
-                "llama_decode_tok_s": _med(v["llama"], "decode_tok_s"),
-            }
-            for key, v in raw["single"].items()
-        },
-        "concurrent": {
-            name: {
-                "ours_tok_s": _med(v["ours"], "agg_tok_s"),
-                "llama_tok_s": _med(v["llama"], "agg_tok_s"),
-                "ours_ttft_p50_s": _med(v["ours"], "ttft_p50_s"),
-                "llama_ttft_p50_s": _med(v["llama"], "ttft_p50_s"),
-            }
-            for name, v in raw["concurrent"].items()
-        },
+        **_medians(raw, "llama"),
     }
 
 
@@ -227,12 +243,7 @@ def _measure_og(builder_dir: str, reps: int, threads: int, quick: bool) -> dict[
                         "og": lambda ids=ids, p=params: workers["generator"].call(
                             "single", ids=ids, new_tokens=new, sampling=p),
                     }  # fmt: skip
-                    for engine, out in _in_turns(runs, rep):
-                        key = f"{plen}/{name}"
-                        raw["single"].setdefault(key, {}).setdefault(engine, []).append(
-                            {k: out[k] for k in ("ttft_s", "decode_tok_s")}
-                            | {"token_ids": out.get("token_ids", [])[:16]}
-                        )
+                    _record_single(raw, f"{plen}/{name}", runs, rep)
         workers.pop("generator").stop()
         workers["engine"] = OgWorker(
             "engine", builder_dir, threads=threads, share_buffer=True,
@@ -252,9 +263,7 @@ def _measure_og(builder_dir: str, reps: int, threads: int, quick: bool) -> dict[
                     "og": lambda ps=prompts, per=per: workers["engine"].call(
                         "concurrent", prompts=ps, new_tokens=streams_new, sampling=per),
                 }  # fmt: skip
-                for engine, out in _in_turns(runs, rep):
-                    stats = concurrency_stats(out["submit"], out["streams"])
-                    raw["concurrent"].setdefault(name, {}).setdefault(engine, []).append(stats)
+                _record_concurrent(raw, name, runs, rep)
         client.close()
     finally:
         server.stop()
@@ -269,29 +278,12 @@ def _measure_og(builder_dir: str, reps: int, threads: int, quick: bool) -> dict[
         "single_new_tokens": new,
         "stream_new_tokens": streams_new,
         "raw": raw,
-        "single": {
-            key: {
-                "ours_ttft_s": _med(v["ours"], "ttft_s"),
-                "og_ttft_s": _med(v["og"], "ttft_s"),
-                "ours_decode_tok_s": _med(v["ours"], "decode_tok_s"),
-                "og_decode_tok_s": _med(v["og"], "decode_tok_s"),
-                "same_first_tokens": [
-                    a["token_ids"] == b["token_ids"]
-                    for a, b in zip(v["ours"], v["og"], strict=True)
-                ],
-            }
-            for key, v in raw["single"].items()
-        },
-        "concurrent": {
-            name: {
-                "ours_tok_s": _med(v["ours"], "agg_tok_s"),
-                "og_tok_s": _med(v["og"], "agg_tok_s"),
-                "ours_ttft_p50_s": _med(v["ours"], "ttft_p50_s"),
-                "og_ttft_p50_s": _med(v["og"], "ttft_p50_s"),
-            }
-            for name, v in raw["concurrent"].items()
-        },
+        **_medians(raw, "og"),
     }
+    for key, v in raw["single"].items():
+        result["single"][key]["same_first_tokens"] = [
+            a["token_ids"] == b["token_ids"] for a, b in zip(v["ours"], v["og"], strict=True)
+        ]
     return result
 
 
