@@ -117,3 +117,71 @@ def test_prefix_reuse_on_the_shared_buffer_runner(tiny_models: dict[str, Path]) 
     r = eng.generate(greedy("b", b, 8))
     assert r.usage.cached_tokens == 12
     assert list(r.token_ids) == reference_greedy(model_dir, b, 8)
+
+
+def test_the_layout_widens_and_narrows_with_the_sequences_held_and_keeps_their_kv(
+    tiny_models: dict[str, Path], monkeypatch
+) -> None:
+    """The position axis follows the longest sequence (doubling from
+    MIN_CAPACITY, in place within the memory reserved for max_len) and falls back
+    when it leaves; every step's logits stay those of a recompute, the KV read back
+    is the same bytes across each move, and decode steps with a dummy row at the
+    capacity's edge widen first."""
+    from genai_service.engine.runner import shared_buffer_runner
+
+    monkeypatch.setattr(shared_buffer_runner, "MIN_CAPACITY", 8)
+    model_dir = tiny_models["gqa"]
+    runner = SharedBufferRunner(load_model_spec(model_dir), RunnerConfig(), max_slots=3, max_len=96)
+    assert runner.capacity == 8 and runner.k_buffers[0].shape[2] == 8
+    pointers = [b.ctypes.data for b in runner.k_buffers + runner.v_buffers]
+    seqs = {
+        1: encode_words("the cat sat"),
+        2: encode_words("a bird saw the dog on the mat"),
+        3: encode_words("the dog"),
+    }
+    for seq, ids in seqs.items():
+        runner.run([StepItem(seq, ids, 0)])
+    assert runner.capacity == 8 and runner.relayouts == 0
+    before = runner.read_kv(3, 0, len(seqs[3]))
+
+    def decode(order: list[int]) -> None:
+        logits = runner.run([StepItem(seq, [7], len(seqs[seq])) for seq in order])
+        for row, seq in enumerate(order):
+            seqs[seq] = seqs[seq] + [7]
+            np.testing.assert_allclose(
+                logits[row], reference_logits(model_dir, seqs[seq]), atol=1e-4
+            )
+
+    # Sequence 2 (8 tokens) fills the layout: its next token widens it to 16,
+    # and at 16 to 32 (sequence 1 rides along at its own length).
+    for _ in range(10):
+        decode([2, 3])
+    assert runner.capacity == 32 and runner.relayouts == 2
+    for (k, v), (k2, v2) in zip(before, runner.read_kv(3, 0, 2), strict=True):
+        np.testing.assert_array_equal(k, k2)
+        np.testing.assert_array_equal(v, v2)
+    # A dummy row at the edge: sequence 2 at 18 tokens decodes nothing while 1
+    # and 3 do; nothing it holds is overwritten.
+    kv2 = runner.read_kv(2, 0, len(seqs[2]))
+    for _ in range(3):
+        decode([1, 3])
+    for (k, v), (k2, v2) in zip(kv2, runner.read_kv(2, 0, len(seqs[2])), strict=True):
+        np.testing.assert_array_equal(k, k2)
+        np.testing.assert_array_equal(v, v2)
+    # A prefill past the capacity widens before it runs.
+    long = encode_words("the cat sat on the mat and the dog saw a bird on the mat " * 3)
+    assert len(long) > 32
+    runner.release(3)
+    runner.run([StepItem(4, long, 0)])
+    seqs[4] = long
+    assert runner.capacity == 64
+    decode([1, 2, 4])
+    # The longest leaves: the others fit in a quarter, so the layout narrows.
+    runner.release(4)
+    assert runner.capacity == 64  # 2's 19 tokens do not fit in a quarter (16)
+    runner.release(2)
+    assert runner.capacity == 16  # 1's 7 tokens: twice that, rounded up from 8
+    decode([1])
+    runner.release(1)
+    assert runner.capacity == 8
+    assert [b.ctypes.data for b in runner.k_buffers + runner.v_buffers] == pointers

@@ -8,6 +8,15 @@ resident, as sequences grow). The same memory is bound through IOBinding as
 both ``past_key_values.*`` and ``present.*``, so ORT's GQA kernel appends new
 KV in place: no per-step copy or allocation of KV.
 
+The buffers' position axis is a *capacity* that grows with the longest
+sequence held (doubling from ``MIN_CAPACITY`` up to ``max_len``; the KV held is
+moved to the wider layout in place, within memory reserved once for
+``max_len``) and falls back when the long sequences leave. GQA takes that axis
+as its present buffer length and sizes its work split by it: bound at 8,192
+positions, each layer's attention over a 200-token context was costed as
+8,192-long and split across the intra-op threads, a thread hand-off per head
+block for microseconds of work (docs/design.md, "Engine modules").
+
 Each sequence owns a slot; active slots are kept contiguous from 0 (when a
 sequence leaves, the last one moves into its slot), so one decode step binds
 rows ``[0, B)`` of every buffer. A running sequence that is not decoding this
@@ -29,9 +38,14 @@ from ...model.model_dir import ModelSpec
 from ..kv.prefix_cache import KvLayers
 from .model_runner import ModelRunner, StepItem, make_session_options
 
+MIN_CAPACITY = 256  # positions of the narrowest layout
+
 
 class SharedBufferRunner(ModelRunner):
     kind = "shared_buffer"
+    # Whether the position axis grows with the sequences held (the GQA layout);
+    # a static-cache graph's caches keep the length they were bound with.
+    tiered = True
 
     def __init__(self, spec: ModelSpec, config: RunnerConfig, max_slots: int, max_len: int) -> None:
         self._check_graph(spec)
@@ -43,10 +57,15 @@ class SharedBufferRunner(ModelRunner):
         )
         kv = spec.kv
         self._dtype = np.dtype(kv.dtype)
-        shape = self._buffer_shape(max_slots, max_len)
         self._maps: list[mmap.mmap] = []
-        self.k_buffers = [self._zeros(shape) for _ in range(kv.num_layers)]
-        self.v_buffers = [self._zeros(shape) for _ in range(kv.num_layers)]
+        size = int(np.prod(self._buffer_shape(max_slots, max_len)))
+        # The memory, reserved once for max_len; k_buffers/v_buffers are views
+        # of its front in the layout of the current capacity.
+        self._k_flat = [self._zeros(size) for _ in range(kv.num_layers)]
+        self._v_flat = [self._zeros(size) for _ in range(kv.num_layers)]
+        self.capacity = min(max_len, MIN_CAPACITY) if self.tiered else max_len
+        self.relayouts = 0  # capacity changes, for tests and stats
+        self._lay_out()
         self._views: dict[tuple[int, int], list[ort.OrtValue]] = {}
         self._bindings: dict[tuple[int, int, bool, bool], ort.IOBinding] = {}
         # rows -> the input_ids ([rows, 1]) bound once to the decode binding of
@@ -95,20 +114,85 @@ class SharedBufferRunner(ModelRunner):
             positions = np.asarray([np.arange(n, n + n_new) for n in lens], np.int64)
             binding.bind_cpu_input("position_ids", positions)
 
-    def _zeros(self, shape: tuple[int, ...]) -> np.ndarray:
-        """A zeroed buffer whose pages become resident only when written.
+    def _zeros(self, size: int) -> np.ndarray:
+        """A zeroed flat buffer of ``size`` elements whose pages become resident
+        only when written.
 
         Not ``np.zeros``: numpy asks for transparent huge pages on large
         arrays, and one 2 MiB page spans a head's whole ``max_len`` row, so the
         first token written to a slot would make every row of it resident
         (~360 MB per slot for SmolLM2 at 8,192 positions).
         """
-        nbytes = int(np.prod(shape)) * self._dtype.itemsize
+        nbytes = size * self._dtype.itemsize
         buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if hasattr(mmap, "MADV_NOHUGEPAGE"):
             buf.madvise(mmap.MADV_NOHUGEPAGE)
         self._maps.append(buf)
-        return np.frombuffer(buf, self._dtype, count=int(np.prod(shape))).reshape(shape)
+        return np.frombuffer(buf, self._dtype, count=size)
+
+    # -- capacity ---------------------------------------------------------------
+
+    def _lay_out(self) -> None:
+        """``k_buffers``/``v_buffers`` as views of the reserved memory's front in
+        the current capacity's layout; the OrtValues and bindings over the old
+        layout are dropped (the decode steps' ``input_ids`` arrays are kept)."""
+        shape = self._buffer_shape(self.max_slots, self.capacity)
+        size = int(np.prod(shape))
+        self.k_buffers = [flat[:size].reshape(shape) for flat in self._k_flat]
+        self.v_buffers = [flat[:size].reshape(shape) for flat in self._v_flat]
+        self._views = {}
+        self._bindings = {}
+
+    def _reserve(self, positions: int) -> None:
+        """Make the layout hold ``positions`` per slot (at most ``max_len``): the
+        capacity doubles until it does, and the KV held moves along."""
+        if positions <= self.capacity:
+            return
+        capacity = self.capacity
+        while capacity < positions:
+            capacity *= 2
+        self._relay(min(capacity, self.max_len))
+
+    def _relay(self, capacity: int) -> None:
+        """Move every active slot's KV into the layout of ``capacity`` positions,
+        in place: each (slot, head) block starts at ``index * capacity *
+        head_dim``, so growing moves the blocks from the last one down (each lands
+        at or after its old start, past the blocks still to move) and shrinking
+        from the first one up."""
+        old = self.capacity
+        if capacity == old:
+            return
+        heads = self.k_buffers[0].shape[1]
+        lens = [self._len[seq] for seq in self._owner[: len(self._slot)] if seq is not None]
+        blocks = [(slot, h) for slot in range(len(lens)) for h in range(heads)]
+        if capacity > old:
+            blocks.reverse()
+        for flat in self._k_flat + self._v_flat:
+            width = flat.size // (self.max_slots * heads * self.max_len)  # head_dim
+            for slot, h in blocks:
+                n = lens[slot] * width
+                if not n:
+                    continue
+                index = slot * heads + h
+                src = flat[index * old * width : index * old * width + n]
+                flat[index * capacity * width : index * capacity * width + n] = src
+        self.capacity = capacity
+        self.relayouts += 1
+        self._lay_out()
+
+    def _settle(self) -> None:
+        """After a sequence leaves: fall back to a narrower layout when the longest
+        sequence left fits in a quarter of the capacity (twice its length, so a
+        sequence growing again does not move at once)."""
+        if not self.tiered or self.capacity <= MIN_CAPACITY:
+            return
+        longest = max((self._len[seq] for seq in self._slot), default=0)
+        if 4 * longest > self.capacity:
+            return
+        capacity = MIN_CAPACITY
+        while capacity < 2 * longest:
+            capacity *= 2
+        self._relay(min(capacity, self.max_len))
 
     # -- slots ----------------------------------------------------------------
 
@@ -165,6 +249,7 @@ class SharedBufferRunner(ModelRunner):
         if total > self.max_len:
             raise ValueError(f"{total} tokens of KV exceed the buffer length {self.max_len}")
         slot = self._ensure_slot(seq_id)
+        self._reserve(total)
         start = 0
         for chunk in chunks:
             n = int(chunk[0][0].shape[1])
@@ -182,6 +267,7 @@ class SharedBufferRunner(ModelRunner):
         self._owner[slot] = None
         last = len(self._slot)  # the highest active slot after the pop
         if slot == last:
+            self._settle()
             return
         # Keep active slots contiguous: move the last one into the hole.
         mover = self._owner[last]
@@ -194,6 +280,7 @@ class SharedBufferRunner(ModelRunner):
         self._owner[slot] = mover
         self._owner[last] = None
         self.moves += 1
+        self._settle()
 
     # -- compute --------------------------------------------------------------
 
@@ -251,6 +338,7 @@ class SharedBufferRunner(ModelRunner):
         lens = [self._len[o] if o is not None else 0 for o in self._owner[lo:hi]]
         if max(lens) + n > self.max_len:
             return [self.verify(item) for item in items]
+        self._reserve(max(lens) + n)
         ids = np.zeros((hi - lo, n), np.int64)  # [rows, n]
         for slot, item in zip(slots, items, strict=True):
             m = len(item.token_ids)
@@ -287,20 +375,19 @@ class SharedBufferRunner(ModelRunner):
                 f"the KV buffer length {self.max_len}"
             )
         self._ensure_slot(item.seq_id)
+        self._reserve(item.start + len(item.token_ids))
 
     def _decode(self, items: Sequence[StepItem], decodes: dict[int, int]) -> np.ndarray:
         """One token for each of ``decodes`` (slot -> item index) in one call on
         rows ``[0, highest slot]``; returns the logits by row."""
         rows = max(decodes) + 1
+        lens = [self._len[o] if o is not None else 0 for o in self._owner[:rows]]
+        self._reserve(max(lens) + 1)  # a dummy row writes at its length too
         binding = self._binding(0, rows, decode=True)
         ids = self._decode_ids[rows]
         ids.fill(0)  # dummy rows decode token 0, dropped by the caller
-        lens = []
-        for slot in range(rows):
-            owner = self._owner[slot]
-            lens.append(self._len[owner] if owner is not None else 0)
-            if slot in decodes:
-                ids[slot, 0] = items[decodes[slot]].token_ids[0]
+        for slot, i in decodes.items():
+            ids[slot, 0] = items[i].token_ids[0]
         out = self._run(0, rows, ids, lens, binding=binding)[:, -1]
         for i in decodes.values():
             self._len[items[i].seq_id] += 1
@@ -359,8 +446,8 @@ class SharedBufferRunner(ModelRunner):
         if binding is None:
             binding = self.session.io_binding()
             if decode:
-                self._decode_ids[hi] = np.zeros((hi - lo, 1), np.int64)
-                binding.bind_cpu_input("input_ids", self._decode_ids[hi])
+                ids = self._decode_ids.setdefault(hi, np.zeros((hi - lo, 1), np.int64))
+                binding.bind_cpu_input("input_ids", ids)
             if wide:
                 binding.bind_output("logits", "cpu")  # first: get_outputs()[0]
             views = self._ortvalues(lo, hi)

@@ -28,6 +28,7 @@ from .shared_buffer_runner import SharedBufferRunner
 
 class StaticCacheRunner(SharedBufferRunner):
     kind = "static_cache"
+    tiered = False  # the caches keep the length they are bound with
 
     def _check_graph(self, spec: ModelSpec) -> None:
         if spec.static_cache is None:
