@@ -65,9 +65,7 @@ class SharedBufferRunner(ModelRunner):
         self._v_flat = [self._zeros(size) for _ in range(kv.num_layers)]
         self.capacity = min(max_len, MIN_CAPACITY) if self.tiered else max_len
         self.relayouts = 0  # capacity changes, for tests and stats
-        self._lay_out()
-        self._views: dict[tuple[int, int], list[ort.OrtValue]] = {}
-        self._bindings: dict[tuple[int, int, bool, bool], ort.IOBinding] = {}
+        self._lay_out()  # and the (empty) caches of OrtValues and bindings over it
         # rows -> the input_ids ([rows, 1]) bound once to the decode binding of
         # rows [0, rows); a decode step writes its tokens into it in place.
         self._decode_ids: dict[int, np.ndarray] = {}
@@ -140,18 +138,22 @@ class SharedBufferRunner(ModelRunner):
         size = int(np.prod(shape))
         self.k_buffers = [flat[:size].reshape(shape) for flat in self._k_flat]
         self.v_buffers = [flat[:size].reshape(shape) for flat in self._v_flat]
-        self._views = {}
-        self._bindings = {}
+        self._views: dict[tuple[int, int], list[ort.OrtValue]] = {}
+        self._bindings: dict[tuple[int, int, bool, bool], ort.IOBinding] = {}
+
+    def _tier(self, positions: int) -> int:
+        """The narrowest layout holding ``positions``: ``MIN_CAPACITY`` doubled, at
+        most ``max_len``."""
+        capacity = MIN_CAPACITY
+        while capacity < positions:
+            capacity *= 2
+        return min(capacity, self.max_len)
 
     def _reserve(self, positions: int) -> None:
         """Make the layout hold ``positions`` per slot (at most ``max_len``): the
         capacity doubles until it does, and the KV held moves along."""
-        if positions <= self.capacity:
-            return
-        capacity = self.capacity
-        while capacity < positions:
-            capacity *= 2
-        self._relay(min(capacity, self.max_len))
+        if positions > self.capacity:
+            self._relay(self._tier(positions))
 
     def _relay(self, capacity: int) -> None:
         """Move every active slot's KV into the layout of ``capacity`` positions,
@@ -162,13 +164,12 @@ class SharedBufferRunner(ModelRunner):
         old = self.capacity
         if capacity == old:
             return
-        heads = self.k_buffers[0].shape[1]
-        lens = [self._len[seq] for seq in self._owner[: len(self._slot)] if seq is not None]
+        heads, width = self.spec.kv.num_kv_heads, self.spec.kv.head_dim
+        lens = self._row_lens(0, len(self._slot))
         blocks = [(slot, h) for slot in range(len(lens)) for h in range(heads)]
         if capacity > old:
             blocks.reverse()
         for flat in self._k_flat + self._v_flat:
-            width = flat.size // (self.max_slots * heads * self.max_len)  # head_dim
             for slot, h in blocks:
                 n = lens[slot] * width
                 if not n:
@@ -180,6 +181,10 @@ class SharedBufferRunner(ModelRunner):
         self.relayouts += 1
         self._lay_out()
 
+    def _row_lens(self, lo: int, hi: int) -> list[int]:
+        """Tokens of valid KV in each slot row ``[lo, hi)`` (0 for a free one)."""
+        return [self._len[o] if o is not None else 0 for o in self._owner[lo:hi]]
+
     def _settle(self) -> None:
         """After a sequence leaves: fall back to a narrower layout when the longest
         sequence left fits in a quarter of the capacity (twice its length, so a
@@ -187,12 +192,8 @@ class SharedBufferRunner(ModelRunner):
         if not self.tiered or self.capacity <= MIN_CAPACITY:
             return
         longest = max((self._len[seq] for seq in self._slot), default=0)
-        if 4 * longest > self.capacity:
-            return
-        capacity = MIN_CAPACITY
-        while capacity < 2 * longest:
-            capacity *= 2
-        self._relay(min(capacity, self.max_len))
+        if 4 * longest <= self.capacity:
+            self._relay(self._tier(2 * longest))
 
     # -- slots ----------------------------------------------------------------
 
@@ -335,7 +336,7 @@ class SharedBufferRunner(ModelRunner):
         n = max(len(item.token_ids) for item in items)
         slots = [self._slot[item.seq_id] for item in items]
         lo, hi = min(slots), max(slots) + 1
-        lens = [self._len[o] if o is not None else 0 for o in self._owner[lo:hi]]
+        lens = self._row_lens(lo, hi)
         if max(lens) + n > self.max_len:
             return [self.verify(item) for item in items]
         self._reserve(max(lens) + n)
@@ -381,7 +382,7 @@ class SharedBufferRunner(ModelRunner):
         """One token for each of ``decodes`` (slot -> item index) in one call on
         rows ``[0, highest slot]``; returns the logits by row."""
         rows = max(decodes) + 1
-        lens = [self._len[o] if o is not None else 0 for o in self._owner[:rows]]
+        lens = self._row_lens(0, rows)
         self._reserve(max(lens) + 1)  # a dummy row writes at its length too
         binding = self._binding(0, rows, decode=True)
         ids = self._decode_ids[rows]
