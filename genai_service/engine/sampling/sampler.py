@@ -119,9 +119,10 @@ class SparseEdit:
 
     @classmethod
     def build(cls, parts: list[tuple[int, np.ndarray, np.ndarray]]) -> SparseEdit:
-        """From ``(row, unique token ids, values)`` triples."""
+        """From ``(row, unique token ids, values)`` triples (no triples: one
+        shared empty edit; edits are never modified)."""
         if not parts:
-            return cls()
+            return NO_EDIT
         return cls(
             rows=np.concatenate([np.full(ids.size, r, dtype=np.int64) for r, ids, _ in parts]),
             cols=np.concatenate([ids for _, ids, _ in parts]).astype(np.int64, copy=False),
@@ -136,6 +137,9 @@ class SparseEdit:
             ok = (c >= 0) & (c < vocab_size)
             return self.rows[ok], c[ok], self.values[ok]
         return self.rows, c, self.values
+
+
+NO_EDIT = SparseEdit()
 
 
 @dataclass
@@ -592,45 +596,46 @@ def _sample_cut_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) 
     on = e > 0
     cols, e = cols[on], e[on]
 
-    nb = -(-v // DRAW_BLOCK)
-    blocks = _row_block_sums(cols, e, v, nb)
-    cum = np.zeros(nb + 1)
-    np.cumsum(blocks, dtype=np.float64, out=cum[1:])
+    # The two-level draw over the blocks the candidates touch: untouched
+    # blocks hold no mass, and adding their zeros changes no running total,
+    # so this is the dense form's draw on the dense form's block sums.
+    blocks, mass, starts = _touched_blocks(cols, e, v)
+    run = np.cumsum(mass, dtype=np.float64)  # mass up to each touched block
     if top_p < 1.0 and e.size:
         # kernels.nucleus on one row: most likely first, the first prefix
         # whose float64 running mass reaches the target sets the floor.
         desc = -np.sort(-e)
-        reached = np.cumsum(desc, dtype=np.float64) >= top_p * cum[-1]
+        reached = np.cumsum(desc, dtype=np.float64) >= top_p * run[-1]
         if reached.any():
             keep = e >= desc[reached.argmax()]
             if not keep.all():
                 cols, e = cols[keep], e[keep]
-                blocks = _row_block_sums(cols, e, v, nb)
-                np.cumsum(blocks, dtype=np.float64, out=cum[1:])
+                blocks, mass, starts = _touched_blocks(cols, e, v)
+                run = np.cumsum(mass, dtype=np.float64)
     if late:  # min-p on the nucleus, as _sample_rows does
         keep = e >= min_p
         if not keep.all():
             cols, e = cols[keep], e[keep]
-            blocks = _row_block_sums(cols, e, v, nb)
-            np.cumsum(blocks, dtype=np.float64, out=cum[1:])
+            blocks, mass, starts = _touched_blocks(cols, e, v)
+            run = np.cumsum(mass, dtype=np.float64)
 
     u = args.rngs[i].random()  # exactly one per row per step
-    total = cum[-1]
+    total = run[-1] if run.size else 0.0
     if not total > 0:
         return int(fallback_tokens(raw, np.array([i]), args)[0])
     goal = u * total
-    b = min(int(np.count_nonzero(cum[1:] <= goal)), nb - 1)
-    if blocks[b] <= 0:  # rounding at the very top: the last block with mass
-        with_mass = np.flatnonzero(blocks[: b + 1] > 0)
-        b = int(with_mass[-1]) if with_mass.size else 0
-    goal -= cum[b]
-    part = np.zeros(DRAW_BLOCK, dtype=np.float32)
-    on = cols // DRAW_BLOCK == b
-    part[cols[on] % DRAW_BLOCK] = e[on]
-    j = int(np.count_nonzero(np.cumsum(part, dtype=np.float64) <= goal))
-    if j >= DRAW_BLOCK:  # rounding: the block's last token with mass
-        j = int(np.flatnonzero(part)[-1])
-    return b * DRAW_BLOCK + j
+    # The first touched block whose running mass passes the goal (the dense
+    # form counts the blocks at or below it), else the last one (rounding).
+    q = min(int(np.count_nonzero(run <= goal)), run.size - 1)
+    if q:
+        goal -= run[q - 1]
+    lo = int(starts[q])
+    hi = int(starts[q + 1]) if q + 1 < starts.size else cols.size
+    # Within the block: the first candidate whose running mass passes what
+    # is left of the goal, else its last one (rounding), as the dense form's
+    # count over the block's 256 running totals finds.
+    r = int(np.count_nonzero(np.cumsum(e[lo:hi], dtype=np.float64) <= goal))
+    return int(cols[lo + min(r, hi - lo - 1)])
 
 
 def _sample_extended_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) -> int:
@@ -731,11 +736,27 @@ def _typical(cols: np.ndarray, p: np.ndarray, typical_p: float) -> tuple[np.ndar
     return cols[kept], p[kept] / p[kept].sum()
 
 
-def _row_block_sums(cols: np.ndarray, e: np.ndarray, v: int, nb: int) -> np.ndarray:
-    """``kernels.set_block_sums`` of one row's candidates into fresh [nb] blocks."""
-    blocks = np.zeros((1, nb), dtype=np.float32)
-    kernels.set_block_sums(blocks, np.zeros(cols.size, dtype=np.int64), cols, e, v)
-    return blocks[0]
+def _touched_blocks(
+    cols: np.ndarray, e: np.ndarray, v: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One row's candidates (ascending token ids ``cols``, masses ``e`` > 0) by
+    draw block: the blocks they touch (ascending), each one's mass summed as
+    ``np.add.reduceat`` sums that block of the dense row (its candidates laid
+    out among zeros, the vocabulary's last block short), and the index of
+    each block's first candidate."""
+    key = cols // DRAW_BLOCK
+    new = np.empty(key.size, dtype=bool)
+    new[:1] = True
+    np.not_equal(key[1:], key[:-1], out=new[1:])
+    starts = np.flatnonzero(new)
+    if starts.size == key.size:  # one candidate per block: its mass is the block's
+        return key, e, starts
+    blocks = key[starts]
+    size = np.minimum(DRAW_BLOCK, v - blocks * DRAW_BLOCK)
+    offset = np.cumsum(size) - size
+    buf = np.zeros(int(offset[-1] + size[-1]), dtype=np.float32)
+    buf[np.repeat(offset - blocks * DRAW_BLOCK, np.diff(np.append(starts, key.size))) + cols] = e
+    return blocks, np.add.reduceat(buf, offset), starts
 
 
 def first_allowed(row: np.ndarray, allowed: np.ndarray) -> int:
@@ -784,10 +805,8 @@ def _logprobs_of(
     raw: np.ndarray, tokens: np.ndarray, want_logprobs: np.ndarray, top_logprobs: np.ndarray
 ) -> tuple[np.ndarray | None, list[np.ndarray], list[np.ndarray]]:
     b, v = raw.shape
-    no_ids = np.zeros(0, dtype=np.int64)
-    no_lps = np.zeros(0, dtype=np.float32)
-    top_ids = [no_ids] * b
-    top_lps = [no_lps] * b
+    top_ids = [NO_IDS] * b
+    top_lps = [NO_VALS] * b
     n_top = np.minimum(top_logprobs, v)
     lr = np.flatnonzero(want_logprobs | (n_top > 0))
     if not lr.size:
