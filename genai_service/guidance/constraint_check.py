@@ -29,7 +29,7 @@ from genai_common.errors import GenAIError
 from genai_common.logging import configure_logging
 
 from ..contract.request import Constraint
-from ..model.model_dir import load_model_spec
+from ..model.model_dir import ModelSpec
 from ..model.tokenizer import Tokenizer
 from .constraints import Guidance
 
@@ -62,7 +62,7 @@ class CheckerReady:
 
 def checker_main(
     conn: Connection,
-    model_dir: str,
+    spec: ModelSpec,
     max_constraint_bytes: int,
     log_format: str,
     stack_bytes: int = CHECK_STACK_BYTES,
@@ -73,7 +73,6 @@ def checker_main(
     a crash)."""
     configure_logging(log_format)
     os.nice(NICE)
-    spec = load_model_spec(model_dir)
     tokenizer = Tokenizer.from_dir(spec.path, spec)
     guidance = Guidance(
         tokenizer.inner,

@@ -20,9 +20,7 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import onnx
+from typing import TYPE_CHECKING, Any
 
 from genai_common.errors import ModelLoadError
 
@@ -49,6 +47,9 @@ from .model_config import (
 from .model_config import SAMPLING_KEYS as SAMPLING_KEYS
 from .rope import RopeSource, find_rope_sources
 
+if TYPE_CHECKING:
+    import onnx
+
 MODEL_FILE = "model.onnx"
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -67,11 +68,14 @@ PRESENT_VALUE = "present.%d.value"
 
 _FINGERPRINT_VERSION = b"genai-model-fingerprint/v1"
 
+# onnx.TensorProto's element types, by number: the package is imported only
+# where a graph is parsed, so a process that is handed a ModelSpec (the
+# constraint checker) never loads it (~17 MB and ~0.9 s of import).
 _KV_DTYPES: dict[int, str] = {
-    onnx.TensorProto.FLOAT: "float32",
-    onnx.TensorProto.FLOAT16: "float16",
+    1: "float32",  # TensorProto.FLOAT
+    10: "float16",  # TensorProto.FLOAT16
 }
-_INT64 = onnx.TensorProto.INT64
+_INT64 = 7  # TensorProto.INT64
 
 Dim = int | str | None  # static size, symbolic name, or unknown
 
@@ -165,6 +169,8 @@ def load_model_spec(path: str | Path) -> ModelSpec:
     tokenizer_path = root / TOKENIZER_FILE
     if not tokenizer_path.is_file():
         raise ModelLoadError(f"{tokenizer_path}: tokenizer file not found")
+
+    import onnx
 
     graph_bytes = onnx_path.read_bytes()
     try:
@@ -301,6 +307,8 @@ def _dtype_name(elem_type: int) -> str:
         return "an undeclared type"
     if elem_type in _KV_DTYPES:
         return _KV_DTYPES[elem_type]
+    import onnx
+
     return onnx.TensorProto.DataType.Name(elem_type).lower()
 
 
@@ -625,6 +633,8 @@ def _check_logits(logits: _Tensor) -> tuple[int | None, Dim]:
 
 
 def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    import onnx
+
     yield graph
     for node in graph.node:
         for attr in node.attribute:
@@ -639,6 +649,8 @@ def _attention_windows(model: onnx.ModelProto, past_key_names: list[str]) -> tup
     """Each layer's sliding window (layer order of ``past_key_names``): the
     ``local_window_size`` of the GroupQueryAttention node reading its past key;
     0 for a global layer, a layer without that op, or the attribute's -1."""
+    import onnx
+
     by_past = {}
     for node in _all_nodes(model):
         if node.op_type == "GroupQueryAttention" and node.domain == "com.microsoft":
@@ -656,6 +668,8 @@ def _all_nodes(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
 
 
 def _all_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    import onnx
+
     for graph in _graphs(model.graph):
         yield from graph.initializer
         for sparse in graph.sparse_initializer:
@@ -671,6 +685,8 @@ def _all_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
 
 def _external_data_sizes(model: onnx.ModelProto, onnx_path: Path) -> dict[str, int]:
     """(location → size in bytes) of every external-data file the graph names."""
+    import onnx
+
     locations = set()
     for tensor in _all_tensors(model):
         if tensor.data_location == onnx.TensorProto.EXTERNAL:

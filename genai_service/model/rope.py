@@ -14,10 +14,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
-from onnx import numpy_helper
+
+if TYPE_CHECKING:  # imported where a graph is read (model_dir.py says why)
+    import onnx
 
 # GroupQueryAttention's inputs (com.microsoft): past_key is 3, cos_cache 7, sin_cache 8.
 _PAST_KEY, _COS, _SIN = 3, 7, 8
@@ -83,6 +85,8 @@ def find_rope_sources(
 ) -> tuple[RopeSource, ...] | None:
     """Each layer's rotary tables (layer order of ``past_key_names``), or None
     unless every layer's GroupQueryAttention node rotates with initializer tables."""
+    import onnx
+
     initializers = {t.name for t in model.graph.initializer}
     by_past: dict[str, RopeSource] = {}
     for node in model.graph.node:
@@ -105,6 +109,9 @@ def find_rope_sources(
 def load_rope_tables(onnx_path: Path, sources: tuple[RopeSource, ...]) -> list[RopeTable] | None:
     """The tables ``sources`` name, read from the graph (and its external data);
     None if any is not a linear rotary table."""
+    import onnx
+    from onnx import numpy_helper
+
     model = onnx.load(str(onnx_path), load_external_data=False)
     wanted = {name for s in sources for name in (s.cos, s.sin)}
     arrays: Mapping[str, np.ndarray] = {

@@ -63,7 +63,7 @@ class GenAIServer:
         self.metrics_port: int | None = None
         limits = config.engine.limits
         self.checker = ConstraintChecker(
-            config.engine.model_dir,
+            spec,
             limits.max_constraint_bytes,
             config.log_format,
             workers=config.constraint_check_workers,

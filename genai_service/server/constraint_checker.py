@@ -43,6 +43,7 @@ from ..guidance.constraint_check import (
     checker_main,
 )
 from ..guidance.constraints import constraint_digest, validate_shape
+from ..model.model_dir import ModelSpec
 
 log = structlog.get_logger(__name__)
 
@@ -157,7 +158,7 @@ class ConstraintChecker:
 
     def __init__(
         self,
-        model_dir: str,
+        spec: ModelSpec,
         max_constraint_bytes: int,
         log_format: str = "console",
         *,
@@ -168,7 +169,7 @@ class ConstraintChecker:
     ) -> None:
         self.max_constraint_bytes = max_constraint_bytes
         self.timeout_s = timeout_s
-        args = (model_dir, max_constraint_bytes, log_format, stack_bytes)
+        args = (spec, max_constraint_bytes, log_format, stack_bytes)
         self._procs = [_CheckerProcess(args, f"genai-constraint-check-{i}") for i in range(workers)]
         self._idle: asyncio.Queue[_CheckerProcess] | None = None
         self._verdicts: OrderedDict[bytes, str] = OrderedDict()

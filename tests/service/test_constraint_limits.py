@@ -26,6 +26,7 @@ from genai_client import ChatMessage, Client, InvalidArgumentError, Tool, ToolCa
 from genai_common.errors import InvalidArgument
 from genai_service.config import EngineConfig, LimitsConfig, ServerConfig
 from genai_service.contract.request import Constraint
+from genai_service.model.model_dir import load_model_spec
 from genai_service.server.constraint_checker import ConstraintChecker
 from tests.server_harness import ServerThread, free_port
 
@@ -304,7 +305,7 @@ def test_a_check_that_crashes_the_checker_costs_only_its_request(
     # next check starts a new process.
     async def run() -> None:
         checker = ConstraintChecker(
-            str(bytes_models["rope"]), MAX_CONSTRAINT_BYTES, stack_bytes=256 * 1024
+            load_model_spec(bytes_models["rope"]), MAX_CONSTRAINT_BYTES, stack_bytes=256 * 1024
         )
         try:
             await checker.start()
