@@ -599,7 +599,8 @@ def _sample_cut_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) 
     # The two-level draw over the blocks the candidates touch: untouched
     # blocks hold no mass, and adding their zeros changes no running total,
     # so this is the dense form's draw on the dense form's block sums.
-    blocks, mass, starts = _touched_blocks(cols, e, v)
+    nb = -(-v // DRAW_BLOCK)
+    _, mass, starts = kernels.block_masses(cols // DRAW_BLOCK, cols, e, v, nb)
     run = np.cumsum(mass, dtype=np.float64)  # mass up to each touched block
     if top_p < 1.0 and e.size:
         # kernels.nucleus on one row: most likely first, the first prefix
@@ -610,13 +611,13 @@ def _sample_cut_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) 
             keep = e >= desc[reached.argmax()]
             if not keep.all():
                 cols, e = cols[keep], e[keep]
-                blocks, mass, starts = _touched_blocks(cols, e, v)
+                _, mass, starts = kernels.block_masses(cols // DRAW_BLOCK, cols, e, v, nb)
                 run = np.cumsum(mass, dtype=np.float64)
     if late:  # min-p on the nucleus, as _sample_rows does
         keep = e >= min_p
         if not keep.all():
             cols, e = cols[keep], e[keep]
-            blocks, mass, starts = _touched_blocks(cols, e, v)
+            _, mass, starts = kernels.block_masses(cols // DRAW_BLOCK, cols, e, v, nb)
             run = np.cumsum(mass, dtype=np.float64)
 
     u = args.rngs[i].random()  # exactly one per row per step
@@ -734,29 +735,6 @@ def _typical(cols: np.ndarray, p: np.ndarray, typical_p: float) -> tuple[np.ndar
     last = int(reached.argmax()) if reached.any() else order.size - 1
     kept = np.sort(order[: last + 1])
     return cols[kept], p[kept] / p[kept].sum()
-
-
-def _touched_blocks(
-    cols: np.ndarray, e: np.ndarray, v: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One row's candidates (ascending token ids ``cols``, masses ``e`` > 0) by
-    draw block: the blocks they touch (ascending), each one's mass summed as
-    ``np.add.reduceat`` sums that block of the dense row (its candidates laid
-    out among zeros, the vocabulary's last block short), and the index of
-    each block's first candidate."""
-    key = cols // DRAW_BLOCK
-    new = np.empty(key.size, dtype=bool)
-    new[:1] = True
-    np.not_equal(key[1:], key[:-1], out=new[1:])
-    starts = np.flatnonzero(new)
-    if starts.size == key.size:  # one candidate per block: its mass is the block's
-        return key, e, starts
-    blocks = key[starts]
-    size = np.minimum(DRAW_BLOCK, v - blocks * DRAW_BLOCK)
-    offset = np.cumsum(size) - size
-    buf = np.zeros(int(offset[-1] + size[-1]), dtype=np.float32)
-    buf[np.repeat(offset - blocks * DRAW_BLOCK, np.diff(np.append(starts, key.size))) + cols] = e
-    return blocks, np.add.reduceat(buf, offset), starts
 
 
 def first_allowed(row: np.ndarray, allowed: np.ndarray) -> int:

@@ -190,23 +190,36 @@ def set_block_sums(
     blocks: np.ndarray, rows: np.ndarray, cols: np.ndarray, e: np.ndarray, v: int
 ) -> None:
     """``blocks[r, j]`` = the mass of block j of row r's candidates (row-then-
-    token order), summed exactly as ``np.add.reduceat`` sums the dense row:
-    each touched block is laid out whole, zeros for the other tokens."""
+    token order), summed exactly as ``np.add.reduceat`` sums the dense row."""
     if not rows.size:
         return
     nb = blocks.shape[1]
-    key = rows * nb + cols // DRAW_BLOCK
-    new = np.concatenate(([True], key[1:] != key[:-1]))
-    if new.all():  # one token per block (a small nucleus): its mass is the token's
-        blocks.reshape(-1)[key] = e
-        return
+    first, mass, _ = block_masses(rows * nb + cols // DRAW_BLOCK, cols, e, v, nb)
+    blocks.reshape(-1)[first] = mass
+
+
+def block_masses(
+    key: np.ndarray, cols: np.ndarray, e: np.ndarray, v: int, nb: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The blocks that candidates touch and their masses: ``key`` is each
+    candidate's ``row * nb + cols // DRAW_BLOCK`` (non-decreasing: row-then-
+    token order). Returns the distinct keys, each block's mass summed exactly
+    as ``np.add.reduceat`` sums the dense row's block (its candidates laid out
+    whole among zeros, a row's last block short), and the index of each
+    block's first candidate."""
+    new = np.empty(key.size, dtype=bool)
+    new[:1] = True
+    np.not_equal(key[1:], key[:-1], out=new[1:])
+    starts = np.flatnonzero(new)
+    if starts.size == key.size:  # one candidate per block: its mass is the block's
+        return key, e, starts
     seg = np.cumsum(new) - 1  # segment of each candidate
-    first = key[new]
+    first = key[starts]
     size = np.minimum(DRAW_BLOCK, v - (first % nb) * DRAW_BLOCK)  # the last block is short
     start = np.cumsum(size) - size
     buf = np.zeros(int(size.sum()), dtype=np.float32)
     buf[start[seg] + cols % DRAW_BLOCK] = e
-    blocks.reshape(-1)[first] = np.add.reduceat(buf, start)
+    return first, np.add.reduceat(buf, start), starts
 
 
 def nucleus(
