@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -614,3 +616,17 @@ def test_bad_config_values(tmp_path: Path) -> None:
     )
     (d / "genai_config.json").write_text("{not json")
     assert load_error(d).startswith("genai_config.json: cannot read (")
+
+
+def test_the_constraint_checker_imports_no_onnx() -> None:
+    """The checker process is handed a ModelSpec and never parses a graph, so
+    it must not load the onnx package (~17 MB of its RSS): model_dir.py and
+    rope.py import onnx only where they parse one."""
+    code = (
+        "import sys\n"
+        "import genai_service.guidance.constraint_check\n"
+        "import genai_service.model.model_dir\n"
+        "print('onnx' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
