@@ -25,7 +25,9 @@ __all__ = ["ModelRunner", "PastPresentRunner", "StepItem", "make_session_options
 class ModelRunner(ABC):
     """Contract: ``run`` computes each item's tokens, extends that sequence's KV
     by them, and returns the logits of each item's last token as ``[items,
-    vocab]`` float32, in item order. KV of sequences not in the step is left
+    vocab]`` float32, in item order; the array may be reused by the runner's
+    next ``run`` (a decode step's logits land in a buffer bound once), so a
+    caller that keeps it longer copies it. KV of sequences not in the step is left
     untouched. ``read_kv``/``write_kv`` move KV as per-layer ``(K, V)`` host
     arrays ``[kv_heads, tokens, head_dim]``.
     """

@@ -69,6 +69,10 @@ class SharedBufferRunner(ModelRunner):
         # rows -> the input_ids ([rows, 1]) bound once to the decode binding of
         # rows [0, rows); a decode step writes its tokens into it in place.
         self._decode_ids: dict[int, np.ndarray] = {}
+        # rows -> the logits ([rows, 1, vocab]) bound once as that binding's
+        # output: valid until the next decode of as many rows.
+        self._decode_logits: dict[int, np.ndarray] = {}
+        self._ones = np.ones(0, np.int64)  # attention masks without padding are views of it
         self._slot: dict[int, int] = {}  # seq_id -> slot
         self._owner: list[int | None] = [None] * max_slots  # slot -> seq_id
         self._len: dict[int, int] = {}  # seq_id -> tokens of valid KV
@@ -103,8 +107,12 @@ class SharedBufferRunner(ModelRunner):
         positions), plain RoPE graphs from position_ids."""
         batch, total = len(lens), max(lens) + n_new
         if self.spec.has_attention_mask:
-            if min(lens) + n_new == total:
-                mask = np.ones((batch, total), np.int64)  # no padding (always so for one row)
+            if min(lens) + n_new == total:  # no padding (always so for one row)
+                if len(self._ones) < batch * total:
+                    self._ones = np.ones(2 * batch * total, np.int64)
+                # A view of ones kept across steps: a fresh array right after an
+                # ORT call (caches cold) cost ~25 us a step, as much as binding it.
+                mask = self._ones[: batch * total].reshape(batch, total)
             else:
                 mask = (np.arange(total) < np.asarray(lens)[:, None] + n_new).astype(np.int64)
             binding.bind_cpu_input("attention_mask", mask)
@@ -389,7 +397,8 @@ class SharedBufferRunner(ModelRunner):
         ids.fill(0)  # dummy rows decode token 0, dropped by the caller
         for slot, i in decodes.items():
             ids[slot, 0] = items[i].token_ids[0]
-        out = self._run(0, rows, ids, lens, binding=binding)[:, -1]
+        out = self._run(0, rows, ids, lens, binding=binding, logits=self._decode_logits[rows])
+        out = out[:, -1]
         for i in decodes.values():
             self._len[items[i].seq_id] += 1
         return out
@@ -402,10 +411,12 @@ class SharedBufferRunner(ModelRunner):
         lens: list[int],
         keep: int = 1,
         binding: ort.IOBinding | None = None,
+        logits: np.ndarray | None = None,
     ) -> np.ndarray:
         """One ORT call on buffer rows ``[lo, hi)``; returns the logits of the last
         ``keep`` positions, ``[rows, keep, vocab]``. ``binding``: a decode binding,
-        whose ``input_ids`` is already bound to ``input_ids``."""
+        whose ``input_ids`` is already bound to ``input_ids`` and whose logits
+        output to ``logits``."""
         spec = self.spec
         batch, n_new = input_ids.shape
         wide = keep > 1 and spec.logits_last_only
@@ -429,11 +440,16 @@ class SharedBufferRunner(ModelRunner):
             return np.asarray(binding.get_outputs()[0].numpy())
         # Logits land in an array of ours: reading them back through
         # get_outputs() would wrap every output, the KV buffers included.
-        rows = 1 if spec.logits_last_only else n_new
-        logits = np.empty((batch, rows, spec.vocab_size), np.float32)
-        binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
+        if logits is None:
+            rows = 1 if spec.logits_last_only else n_new
+            logits = np.empty((batch, rows, spec.vocab_size), np.float32)
+            self._bind_logits(binding, logits)
         self.session.run_with_iobinding(binding)
         return logits[:, -keep:, :]
+
+    @staticmethod
+    def _bind_logits(binding: ort.IOBinding, logits: np.ndarray) -> None:
+        binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
 
     def _binding(self, lo: int, hi: int, wide: bool = False, decode: bool = False) -> ort.IOBinding:
         """An IOBinding with rows ``[lo, hi)`` of the KV buffers bound as both past
@@ -449,6 +465,11 @@ class SharedBufferRunner(ModelRunner):
             if decode:
                 ids = self._decode_ids.setdefault(hi, np.zeros((hi - lo, 1), np.int64))
                 binding.bind_cpu_input("input_ids", ids)
+                logits = self._decode_logits.get(hi)
+                if logits is None:
+                    logits = np.empty((hi - lo, 1, self.spec.vocab_size), np.float32)
+                    self._decode_logits[hi] = logits
+                self._bind_logits(binding, logits)
             if wide:
                 binding.bind_output("logits", "cpu")  # first: get_outputs()[0]
             views = self._ortvalues(lo, hi)
