@@ -122,6 +122,67 @@ def test_kv_is_written_in_place_and_read_in_the_chunk_layout(
     np.testing.assert_allclose(again[0], reference_logits(tiny_model_dir, tokens + [5]), atol=1e-4)
 
 
+def test_an_open_length_is_tiered_with_the_sequences_held(
+    static_cache_model_dir: Path, tiny_model_dir: Path, monkeypatch
+) -> None:
+    """A graph that leaves the caches' length open is bound at a capacity that
+    follows the longest sequence (ORT's Attention costs by the bound length):
+    it widens in place as a sequence grows, every step's logits are the bits
+    of the buffers bound whole (and the recompute's), the KV held reads back
+    byte-identical across each move, and it narrows when the long sequence
+    leaves."""
+    from genai_service.engine.runner import shared_buffer_runner
+
+    monkeypatch.setattr(shared_buffer_runner, "MIN_CAPACITY", 8)
+    spec = load_model_spec(static_cache_model_dir)
+    assert spec.static_cache is not None
+    whole = StaticCacheRunner(
+        dataclasses.replace(spec, static_cache=dataclasses.replace(spec.static_cache, capacity=64)),
+        RunnerConfig(),
+        max_slots=2,
+        max_len=64,
+    )
+    runner = StaticCacheRunner(spec, RunnerConfig(), max_slots=2, max_len=64)
+    assert runner.tiered and runner.capacity == 8
+    assert runner.k_buffers[0].shape == (2, 8, 16)  # [slots, capacity, kv_hidden]
+    pointers = [b.ctypes.data for b in runner.k_buffers + runner.v_buffers]
+    short = encode_words("the dog")
+    runner.run([StepItem(1, short, 0)])
+    held = runner.read_kv(1, 0, len(short))
+    whole.run([StepItem(1, short, 0)])
+    logits = runner.run([StepItem(2, PROMPT, 0)])  # 13 tokens: widens to 16 first
+    np.testing.assert_array_equal(logits, whole.run([StepItem(2, PROMPT, 0)]))
+    assert runner.capacity == 16 and runner.relayouts == 1
+    tokens = list(PROMPT)
+    for _ in range(6):  # past 16: widens to 32 between decode steps
+        tok = int(np.argmax(logits[0]))
+        logits = runner.run([StepItem(2, [tok], len(tokens))]).copy()
+        np.testing.assert_array_equal(logits, whole.run([StepItem(2, [tok], len(tokens))]))
+        tokens.append(tok)
+        np.testing.assert_allclose(logits[0], reference_logits(tiny_model_dir, tokens), atol=1e-4)
+    assert runner.capacity == 32 and runner.relayouts == 2
+    for (k, v), (k2, v2) in zip(held, runner.read_kv(1, 0, len(short)), strict=True):
+        np.testing.assert_array_equal(k, k2)
+        np.testing.assert_array_equal(v, v2)
+    runner.release(2)  # the short one fits a quarter: back to the narrowest
+    assert runner.capacity == 8
+    again = runner.run([StepItem(1, [5], len(short))])
+    np.testing.assert_allclose(again[0], reference_logits(tiny_model_dir, short + [5]), atol=1e-4)
+    assert [b.ctypes.data for b in runner.k_buffers + runner.v_buffers] == pointers
+
+
+def test_a_fixed_length_is_bound_whole(static_cache_model_dir: Path) -> None:
+    spec = load_model_spec(static_cache_model_dir)
+    assert spec.static_cache is not None
+    fixed = dataclasses.replace(
+        spec, static_cache=dataclasses.replace(spec.static_cache, capacity=64)
+    )
+    runner = StaticCacheRunner(fixed, RunnerConfig(), max_slots=2, max_len=48)
+    assert not runner.tiered and runner.k_buffers[0].shape == (2, 64, 16)
+    runner.run([StepItem(1, PROMPT, 0)])
+    assert runner.relayouts == 0
+
+
 def test_batched_with_chunked_prefill_equals_the_reference(
     static_cache_model_dir: Path, tiny_model_dir: Path
 ) -> None:

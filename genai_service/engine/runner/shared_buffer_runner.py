@@ -43,9 +43,12 @@ MIN_CAPACITY = 256  # positions of the narrowest layout
 
 class SharedBufferRunner(ModelRunner):
     kind = "shared_buffer"
-    # Whether the position axis grows with the sequences held (the GQA layout);
-    # a static-cache graph's caches keep the length they were bound with.
-    tiered = True
+
+    @property
+    def tiered(self) -> bool:
+        """Whether the position axis follows the sequences held (always, for
+        GroupQueryAttention graphs)."""
+        return True
 
     def __init__(self, spec: ModelSpec, config: RunnerConfig, max_slots: int, max_len: int) -> None:
         self._check_graph(spec)
@@ -88,6 +91,12 @@ class SharedBufferRunner(ModelRunner):
         """One layer's K (or V) buffer: ``[max_slots, kv_heads, max_len, head_dim]``."""
         kv = self.spec.kv
         return (max_slots, kv.num_kv_heads, max_len, kv.head_dim)
+
+    def _blocks(self) -> tuple[int, int]:
+        """How the layout runs along the position axis: each slot holds this many
+        blocks of ``capacity`` positions, each position this many elements wide
+        (``[kv_heads, capacity, head_dim]`` per slot: kv_heads blocks of head_dim)."""
+        return self.spec.kv.num_kv_heads, self.spec.kv.head_dim
 
     def _read(self, buf: np.ndarray, slot: int, start: int, end: int) -> np.ndarray:
         """A copy of positions ``start:end`` of ``slot`` as ``[kv_heads, n, head_dim]``."""
@@ -165,14 +174,14 @@ class SharedBufferRunner(ModelRunner):
 
     def _relay(self, capacity: int) -> None:
         """Move every active slot's KV into the layout of ``capacity`` positions,
-        in place: each (slot, head) block starts at ``index * capacity *
-        head_dim``, so growing moves the blocks from the last one down (each lands
-        at or after its old start, past the blocks still to move) and shrinking
-        from the first one up."""
+        in place: each (slot, block) starts at ``index * capacity * width``
+        (``_blocks``), so growing moves the blocks from the last one down (each
+        lands at or after its old start, past the blocks still to move) and
+        shrinking from the first one up."""
         old = self.capacity
         if capacity == old:
             return
-        heads, width = self.spec.kv.num_kv_heads, self.spec.kv.head_dim
+        heads, width = self._blocks()
         lens = self._row_lens(0, len(self._slot))
         blocks = [(slot, h) for slot in range(len(lens)) for h in range(heads)]
         if capacity > old:

@@ -15,6 +15,15 @@ IOBinding as both the cache input and its updated output (written in place),
 active slots contiguous from 0, batched decode over rows ``[0, B)``, prefill
 chunks one row at a time, and KV moved in and out as ``[kv_heads, n,
 head_dim]`` per layer, the chunk format of the other runners.
+
+When the graph leaves the buffers' length open (``StaticCacheIO.capacity``
+None), the position axis is tiered as the shared-buffer runner's is: it
+follows the longest sequence held. ONNX Runtime's CPU ``Attention`` (opset 24)
+costs in proportion to the bound buffer's length, not to ``nonpad_kv_seqlen``
+(onnxruntime 1.32, one layer of SmolLM2's shape, one decode row at 300
+tokens: 83 us bound at 512 positions, 279 at 2,048, 828 at 8,192), so a
+buffer bound at the engine's whole context made every step pay for it. A
+graph that fixes the length gets buffers of exactly that length, as before.
 """
 
 from __future__ import annotations
@@ -28,11 +37,19 @@ from .shared_buffer_runner import SharedBufferRunner
 
 class StaticCacheRunner(SharedBufferRunner):
     kind = "static_cache"
-    tiered = False  # the caches keep the length they are bound with
+
+    @property
+    def tiered(self) -> bool:
+        """Whether the position axis follows the sequences held: only when the
+        graph leaves the caches' length open (one it fixes is bound whole)."""
+        return self.spec.static_cache is not None and self.spec.static_cache.capacity is None
 
     def _check_graph(self, spec: ModelSpec) -> None:
         if spec.static_cache is None:
             raise ValueError("the static-cache runner needs a static-cache graph")
+
+    def _blocks(self) -> tuple[int, int]:
+        return 1, self.spec.kv.num_kv_heads * self.spec.kv.head_dim  # [capacity, kv_hidden]
 
     def _buffer_shape(self, max_slots: int, max_len: int) -> tuple[int, ...]:
         kv = self.spec.kv
