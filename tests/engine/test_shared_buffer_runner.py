@@ -185,3 +185,24 @@ def test_the_layout_widens_and_narrows_with_the_sequences_held_and_keeps_their_k
     runner.release(1)
     assert runner.capacity == 8
     assert [b.ctypes.data for b in runner.k_buffers + runner.v_buffers] == pointers
+
+
+def test_the_layout_is_never_narrower_than_the_widest_sliding_window(
+    tiny_models: dict[str, Path], monkeypatch
+) -> None:
+    """ORT's GroupQueryAttention refuses a present buffer shorter than a layer's
+    local_window_size on some graphs (onnxruntime-genai's Gemma 3 export): the
+    narrowest layout holds the widest window, and narrowing stops there."""
+    from genai_service.engine.runner import shared_buffer_runner
+
+    monkeypatch.setattr(shared_buffer_runner, "MIN_CAPACITY", 8)
+    model_dir = tiny_models["gqa"]
+    spec = dataclasses.replace(load_model_spec(model_dir), attention_windows=(0, 24))
+    runner = SharedBufferRunner(spec, RunnerConfig(), max_slots=2, max_len=96)
+    assert runner.capacity == 32  # 8 doubled past the 24-token window
+    ids = encode_words("the cat sat on the mat and the dog saw a bird on the mat " * 3)
+    runner.run([StepItem(1, ids, 0)])
+    assert runner.capacity == 64
+    runner.run([StepItem(2, ids[:3], 0)])
+    runner.release(1)
+    assert runner.capacity == 32  # 2's 3 tokens would fit 8: the window's floor holds

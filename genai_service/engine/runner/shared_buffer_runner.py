@@ -66,7 +66,7 @@ class SharedBufferRunner(ModelRunner):
         # of its front in the layout of the current capacity.
         self._k_flat = [self._zeros(size) for _ in range(kv.num_layers)]
         self._v_flat = [self._zeros(size) for _ in range(kv.num_layers)]
-        self.capacity = min(max_len, MIN_CAPACITY) if self.tiered else max_len
+        self.capacity = self._tier(0) if self.tiered else max_len
         self.relayouts = 0  # capacity changes, for tests and stats
         self._lay_out()  # and the (empty) caches of OrtValues and bindings over it
         # rows -> the input_ids ([rows, 1]) bound once to the decode binding of
@@ -160,9 +160,13 @@ class SharedBufferRunner(ModelRunner):
 
     def _tier(self, positions: int) -> int:
         """The narrowest layout holding ``positions``: ``MIN_CAPACITY`` doubled, at
-        most ``max_len``."""
+        most ``max_len``, and never narrower than the widest sliding window
+        (ORT's GroupQueryAttention refuses a present buffer shorter than its
+        ``local_window_size`` on some graphs: "sliding_window_cache: KV cache
+        capacity (256) must be at least local_window_size (512)", onnxruntime
+        1.32 on onnxruntime-genai's builder export of Gemma 3)."""
         capacity = MIN_CAPACITY
-        while capacity < positions:
+        while capacity < max(positions, *self.spec.attention_windows, 0):
             capacity *= 2
         return min(capacity, self.max_len)
 
@@ -206,7 +210,7 @@ class SharedBufferRunner(ModelRunner):
         """After a sequence leaves: fall back to a narrower layout when the longest
         sequence left fits in a quarter of the capacity (twice its length, so a
         sequence growing again does not move at once)."""
-        if not self.tiered or self.capacity <= MIN_CAPACITY:
+        if not self.tiered or self.capacity <= self._tier(0):
             return
         longest = max((self._len[seq] for seq in self._slot), default=0)
         if 4 * longest <= self.capacity:
