@@ -9,9 +9,10 @@ both ``past_key_values.*`` and ``present.*``, so ORT's GQA kernel appends new
 KV in place: no per-step copy or allocation of KV.
 
 The buffers' position axis is a *capacity* that grows with the longest
-sequence held (doubling from ``MIN_CAPACITY`` up to ``max_len``; the KV held is
-moved to the wider layout in place, within memory reserved once for
-``max_len``) and falls back when the long sequences leave. GQA takes that axis
+sequence held (doubling from ``MIN_CAPACITY``, never below the widest sliding
+window, up to ``max_len``; the KV held is moved to the wider layout in place,
+within memory reserved once for ``max_len``) and falls back when the long
+sequences leave. GQA takes that axis
 as its present buffer length and sizes its work split by it: bound at 8,192
 positions, each layer's attention over a 200-token context was costed as
 8,192-long and split across the intra-op threads, a thread hand-off per head
