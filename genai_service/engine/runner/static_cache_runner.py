@@ -21,9 +21,10 @@ None), the position axis is tiered as the shared-buffer runner's is: it
 follows the longest sequence held. ONNX Runtime's CPU ``Attention`` (opset 24)
 costs in proportion to the bound buffer's length, not to ``nonpad_kv_seqlen``
 (onnxruntime 1.32, one layer of SmolLM2's shape, one decode row at 300
-tokens: 83 us bound at 512 positions, 279 at 2,048, 828 at 8,192), so a
-buffer bound at the engine's whole context made every step pay for it. A
-graph that fixes the length gets buffers of exactly that length, as before.
+tokens: 83 us bound at 512 positions, 279 at 2,048, 828 at 8,192;
+bench/static_cache_attention.py), so a buffer bound at the engine's whole
+context made every step pay for it. A graph that fixes the length gets
+buffers of exactly that length, as before.
 """
 
 from __future__ import annotations
