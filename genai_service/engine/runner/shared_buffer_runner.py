@@ -73,9 +73,10 @@ class SharedBufferRunner(ModelRunner):
         # rows -> the input_ids ([rows, 1]) bound once to the decode binding of
         # rows [0, rows); a decode step writes its tokens into it in place.
         self._decode_ids: dict[int, np.ndarray] = {}
-        # rows -> the logits ([rows, 1, vocab]) bound once as that binding's
-        # output: valid until the next decode of as many rows.
-        self._decode_logits: dict[int, np.ndarray] = {}
+        # The logits of decode steps: rows [0, B) ([B, 1, vocab], a contiguous
+        # prefix) are bound once as the output of the decode binding of B rows;
+        # valid until the next decode step. Pages are touched only as rows are.
+        self._decode_logits = np.empty((max_slots, 1, spec.vocab_size), np.float32)
         self._ones = np.ones(0, np.int64)  # attention masks without padding are views of it
         self._slot: dict[int, int] = {}  # seq_id -> slot
         self._owner: list[int | None] = [None] * max_slots  # slot -> seq_id
@@ -151,7 +152,8 @@ class SharedBufferRunner(ModelRunner):
     def _lay_out(self) -> None:
         """``k_buffers``/``v_buffers`` as views of the reserved memory's front in
         the current capacity's layout; the OrtValues and bindings over the old
-        layout are dropped (the decode steps' ``input_ids`` arrays are kept)."""
+        layout are dropped (the decode steps' ``input_ids`` and logits arrays
+        are kept)."""
         shape = self._buffer_shape(self.max_slots, self.capacity)
         size = int(np.prod(shape))
         self.k_buffers = [flat[:size].reshape(shape) for flat in self._k_flat]
@@ -411,7 +413,7 @@ class SharedBufferRunner(ModelRunner):
         ids.fill(0)  # dummy rows decode token 0, dropped by the caller
         for slot, i in decodes.items():
             ids[slot, 0] = items[i].token_ids[0]
-        out = self._run(0, rows, ids, lens, binding=binding, logits=self._decode_logits[rows])
+        out = self._run(0, rows, ids, lens, binding=binding, logits=self._decode_logits[:rows])
         out = out[:, -1]
         for i in decodes.values():
             self._len[items[i].seq_id] += 1
@@ -479,11 +481,7 @@ class SharedBufferRunner(ModelRunner):
             if decode:
                 ids = self._decode_ids.setdefault(hi, np.zeros((hi - lo, 1), np.int64))
                 binding.bind_cpu_input("input_ids", ids)
-                logits = self._decode_logits.get(hi)
-                if logits is None:
-                    logits = np.empty((hi - lo, 1, self.spec.vocab_size), np.float32)
-                    self._decode_logits[hi] = logits
-                self._bind_logits(binding, logits)
+                self._bind_logits(binding, self._decode_logits[:hi])
             if wide:
                 binding.bind_output("logits", "cpu")  # first: get_outputs()[0]
             views = self._ortvalues(lo, hi)
