@@ -117,6 +117,15 @@ def test_kv_is_written_in_place_and_read_in_the_chunk_layout(
     # continues exactly.
     layers = runner.read_kv(7, 0, n)
     assert layers[0][0].shape == (2, n, 8)
+    # Always a copy, even where the layout would allow a view (one position; or
+    # one KV head): a view would change under the next step or slot move.
+    last = runner.read_kv(7, n - 1, n)
+    assert not any(
+        np.shares_memory(a, buf)
+        for pair in last
+        for a in pair
+        for buf in runner.k_buffers + runner.v_buffers
+    )
     runner.write_chunks(9, [layers])
     again = runner.run([StepItem(9, [5], n)])
     np.testing.assert_allclose(again[0], reference_logits(tiny_model_dir, tokens + [5]), atol=1e-4)

@@ -65,7 +65,10 @@ class StaticCacheRunner(SharedBufferRunner):
     def _read(self, buf: np.ndarray, slot: int, start: int, end: int) -> np.ndarray:
         kv = self.spec.kv
         rows = buf[slot, start:end].reshape(end - start, kv.num_kv_heads, kv.head_dim)
-        return np.ascontiguousarray(rows.transpose(1, 0, 2))
+        # Always a copy: with one KV head (or one position) the transpose is
+        # already contiguous, and ascontiguousarray would hand out a view of the
+        # live buffer, which a later step, slot move or relayout overwrites.
+        return rows.transpose(1, 0, 2).copy()
 
     def _write(self, buf: np.ndarray, slot: int, start: int, layer: np.ndarray) -> None:
         n = layer.shape[1]
