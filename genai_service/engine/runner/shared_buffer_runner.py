@@ -168,8 +168,9 @@ class SharedBufferRunner(ModelRunner):
         ``local_window_size`` on some graphs: "sliding_window_cache: KV cache
         capacity (256) must be at least local_window_size (512)", onnxruntime
         1.32 on onnxruntime-genai's builder export of Gemma 3)."""
+        need = max(positions, *self.spec.attention_windows, 0)
         capacity = MIN_CAPACITY
-        while capacity < max(positions, *self.spec.attention_windows, 0):
+        while capacity < need:
             capacity *= 2
         return min(capacity, self.max_len)
 

@@ -599,9 +599,7 @@ def _sample_cut_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) 
     # The two-level draw over the blocks the candidates touch: untouched
     # blocks hold no mass, and adding their zeros changes no running total,
     # so this is the dense form's draw on the dense form's block sums.
-    nb = -(-v // DRAW_BLOCK)
-    _, mass, starts = kernels.block_masses(cols // DRAW_BLOCK, cols, e, v, nb)
-    run = np.cumsum(mass, dtype=np.float64)  # mass up to each touched block
+    run, starts = _touched_run(cols, e, v)
     if top_p < 1.0 and e.size:
         # kernels.nucleus on one row: most likely first, the first prefix
         # whose float64 running mass reaches the target sets the floor.
@@ -611,14 +609,12 @@ def _sample_cut_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) 
             keep = e >= desc[reached.argmax()]
             if not keep.all():
                 cols, e = cols[keep], e[keep]
-                _, mass, starts = kernels.block_masses(cols // DRAW_BLOCK, cols, e, v, nb)
-                run = np.cumsum(mass, dtype=np.float64)
+                run, starts = _touched_run(cols, e, v)
     if late:  # min-p on the nucleus, as _sample_rows does
         keep = e >= min_p
         if not keep.all():
             cols, e = cols[keep], e[keep]
-            _, mass, starts = kernels.block_masses(cols // DRAW_BLOCK, cols, e, v, nb)
-            run = np.cumsum(mass, dtype=np.float64)
+            run, starts = _touched_run(cols, e, v)
 
     u = args.rngs[i].random()  # exactly one per row per step
     total = run[-1] if run.size else 0.0
@@ -637,6 +633,15 @@ def _sample_cut_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) 
     # count over the block's 256 running totals finds.
     r = int(np.count_nonzero(np.cumsum(e[lo:hi], dtype=np.float64) <= goal))
     return int(cols[lo + min(r, hi - lo - 1)])
+
+
+def _touched_run(cols: np.ndarray, e: np.ndarray, v: int) -> tuple[np.ndarray, np.ndarray]:
+    """One row's candidates (``cols`` ascending, masses ``e``): the float64
+    running mass up to each draw block they touch, and each such block's first
+    candidate (``kernels.block_masses``)."""
+    nb = -(-v // DRAW_BLOCK)
+    _, mass, starts = kernels.block_masses(cols // DRAW_BLOCK, cols, e, v, nb)
+    return np.cumsum(mass, dtype=np.float64), starts
 
 
 def _sample_extended_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) -> int:
