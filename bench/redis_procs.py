@@ -29,11 +29,22 @@ def _cli(port: int, *args: str, timeout_s: float = 10.0) -> str:
     ).stdout
 
 
-class RedisNode:
-    """One ``redis-server`` on a free loopback port (``extra`` args appended)."""
+_PORT_TRIES = 4  # fresh ports tried when a chosen one was taken before redis bound it
 
-    def __init__(self, directory: Path, *extra: str, port: int | None = None) -> None:
+
+class RedisNode:
+    """One ``redis-server`` on a free loopback port (``extra`` args appended).
+
+    ``cluster_bus``: the node is a cluster node, with its bus on a second free
+    port (it defaults to port + 10000, which a free port may not allow).
+    """
+
+    def __init__(
+        self, directory: Path, *extra: str, port: int | None = None, cluster_bus: bool = False
+    ) -> None:
+        self.fixed_port = port is not None
         self.port = port or free_port()
+        self.bus_port = free_port() if cluster_bus else None
         self.directory = directory
         self.extra = extra
         self.proc: subprocess.Popen[bytes] | None = None
@@ -43,8 +54,26 @@ class RedisNode:
         return f"redis://127.0.0.1:{self.port}"
 
     def start(self) -> RedisNode:
+        """Start and wait for PONG. A free port is only free when chosen: another
+        process (a redis-cli's source port, say) may take it before redis binds
+        it, and redis then exits "Address already in use"; a node whose ports
+        were chosen here tries fresh ones."""
+        for attempt in range(_PORT_TRIES):
+            try:
+                return self._start()
+            except _PortTaken:
+                if self.fixed_port or attempt == _PORT_TRIES - 1:
+                    raise
+                self.port = free_port()
+                self.bus_port = free_port() if self.bus_port is not None else None
+        raise AssertionError("unreachable")
+
+    def _start(self) -> RedisNode:
         self.directory.mkdir(parents=True, exist_ok=True)
-        log = open(self.directory / "redis.log", "ab")  # noqa: SIM115
+        log_path = self.directory / "redis.log"
+        logged = log_path.stat().st_size if log_path.exists() else 0
+        bus = [] if self.bus_port is None else ["--cluster-port", str(self.bus_port)]
+        log = open(log_path, "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [
                 "redis-server",
@@ -58,6 +87,7 @@ class RedisNode:
                 "",
                 "--appendonly",
                 "no",
+                *bus,
                 *self.extra,
             ],
             stdout=log,
@@ -67,7 +97,13 @@ class RedisNode:
         deadline = time.monotonic() + _START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+                with open(log_path, "rb") as f:
+                    f.seek(logged)
+                    said = f.read().decode(errors="replace")
+                if "Address already in use" in said:
+                    raise _PortTaken(said)
+                code = self.proc.returncode
+                raise RuntimeError(f"redis-server exited with {code}: {said[-500:]}")
             if _cli(self.port, "PING", timeout_s=2).strip() == "PONG":
                 return self
             time.sleep(0.05)
@@ -84,6 +120,10 @@ class RedisNode:
             self.proc.wait(10)
 
     stop = kill
+
+
+class _PortTaken(RuntimeError):
+    """redis-server exited at start because its port was taken meanwhile."""
 
 
 class RedisClusterNodes:
@@ -105,10 +145,8 @@ class RedisClusterNodes:
                 "1000",
                 "--cluster-require-full-coverage",
                 "no",
-                # The bus port defaults to port + 10000, which a free port may not allow.
-                "--cluster-port",
-                str(free_port()),
                 *extra,
+                cluster_bus=True,
             )
             for i in range(masters)
         ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -64,6 +65,24 @@ def redis_cluster(redis_tools: None, tmp_path: Path) -> Iterator[RedisClusterNod
         yield cluster.start()
     finally:
         cluster.stop()
+
+
+def test_node_start_survives_a_port_taken_before_redis_binds_it(
+    redis_tools: None, tmp_path: Path
+) -> None:
+    """A free port is only free when chosen: taken before redis binds it (what
+    made a cluster fixture flaky), the node starts on fresh ports instead."""
+    node = RedisNode(tmp_path / "redis", cluster_bus=True)
+    taken = (node.port, node.bus_port)
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", node.port))  # as a client's source port would
+        node.start()
+    try:
+        assert node.port != taken[0] and node.bus_port != taken[1]
+        assert node.cli("PING").strip() == "PONG"
+        assert "Address already in use" in (tmp_path / "redis" / "redis.log").read_text()
+    finally:
+        node.kill()
 
 
 @pytest_asyncio.fixture
