@@ -181,12 +181,37 @@ class TokenPicker:
             return [
                 (greedy_pick(logits[j], masks.get(seq.seq_id)), None) for j, seq in enumerate(seqs)
             ]
+        if len(seqs) <= sampling.ROW_PATH_MAX_ROWS:
+            # Rows whose sampler args never change: built once per sequence.
+            constant = [a for a in map(self._constant_args, seqs) if a is not None]
+            if len(constant) == len(seqs):
+                return [
+                    (sampling.sample_constant(logits[j], a), None) for j, a in enumerate(constant)
+                ]
         rows = [
             sampling_row(seq, self.defaults, allowed=masks.get(seq.seq_id), texts=self.texts)
             for seq in seqs
         ]
         sampled = sampling.sample(logits, sampling.prepare(rows))
         return [self._picked(seq, sampled, j) for j, seq in enumerate(seqs)]
+
+    def _constant_args(self, seq: Sequence) -> sampling.SamplingArgs | None:
+        """``seq``'s sampler args if they are the same at every step from now on
+        (``sampling.constant_args``), built on its first such step; else None.
+        A row past its ``min_new_tokens`` (no EOS ban any more), unconstrained
+        and without logprobs stays so: only its generator's state changes."""
+        if (
+            seq.matcher is not None
+            or seq.request.sampling.greedy
+            or seq.request.top_logprobs
+            or len(seq.output_ids) < seq.request.stopping.min_new_tokens
+        ):
+            return None
+        cached = seq.plain_args
+        if cached is None or cached[0] is not seq.rng:
+            row = sampling_row(seq, self.defaults, texts=self.texts)
+            cached = seq.plain_args = (seq.rng, sampling.constant_args(row))
+        return cached[1]
 
     def pick_after(self, seq: Sequence, row: np.ndarray, pending: list[int]) -> Picked:
         """The token a plain decode of ``seq`` would pick from ``row`` (logits,

@@ -29,7 +29,7 @@ from ..contract.request import (
     TokenLogprob,
     Usage,
 )
-from .sampling.sampler import MirostatState
+from .sampling.sampler import MirostatState, SamplingArgs
 from .text.text_output import TextOutput
 
 if TYPE_CHECKING:
@@ -100,6 +100,10 @@ class Sequence:
     # GenerationRequest.prompt_logprobs: those of the prompt computed so far,
     # until its first output takes them (None: none asked, or sent).
     prompt_logprobs: list[TokenLogprob] | None = None
+    # The sampler's args of a sampled row that asks for nothing that changes
+    # between steps, with the generator they were built for (TokenPicker.pick
+    # builds them once; args None: the row's do change; None: not built yet).
+    plain_args: tuple[np.random.Generator, SamplingArgs | None] | None = None
     # A completion's member other than 0 (engine/groups/completions.py): the member
     # whose prompt KV it copies once computed; None after (or for others).
     leader: Sequence | None = None

@@ -32,6 +32,8 @@ from genai_service.contract.request import (
 from genai_service.engine.engine import LLMEngine
 from genai_service.engine.kv.kv_connector_memory import MemoryKvChunkStore
 from genai_service.engine.kv.prefix_cache import chunk_keys
+from genai_service.engine.sampling import sampler
+from genai_service.engine.sampling_rows import TokenPicker
 from tests.tiny_model import EOS_ID, encode_words, reference_greedy
 
 PROMPTS = [
@@ -365,6 +367,48 @@ def test_context_limit_yields_the_rest_of_the_window(short_context_model_dir: Pa
     assert r.finish_reason is FinishReason.CONTEXT_LENGTH
     with pytest.raises(InvalidArgument, match="context window is 16 tokens"):
         engine.add_request(greedy("big", list(range(3, 19)), 1))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.5, top_k=5, top_p=0.9, seed=3),
+        SamplingParams(temperature=0.8, min_p=0.05, seed=4),
+        SamplingParams(temperature=1.2, repetition_penalty=1.3, seed=5),  # never constant
+    ],
+)
+def test_sampler_args_built_once_pick_the_general_paths_tokens(
+    tiny_model_dir: Path, params: SamplingParams, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sampled rows whose sampler args never change draw through args built once
+    per sequence (TokenPicker._constant_args); the tokens are those of the
+    per-step path, alone and two at a time, with min_new_tokens' EOS bans
+    (per-step) before the rows become constant."""
+
+    def requests(tag: str) -> list[GenerationRequest]:
+        return [
+            GenerationRequest(
+                f"{tag}{i}",
+                tuple(encode_words(prompt)),
+                sampling=params,
+                stopping=StoppingCriteria(max_new_tokens=24, min_new_tokens=4 * i),
+            )
+            for i, prompt in enumerate(["the cat", "where is the big red box"])
+        ]
+
+    def tokens(tag: str) -> list[tuple[int, ...]]:
+        engine = make_engine(tiny_model_dir)
+        alone = [engine.generate(r).token_ids for r in requests(tag + "a")]
+        together = engine.run_to_completion(requests(tag + "b"))
+        return alone + [together[f"{tag}b{i}"].token_ids for i in range(2)]
+
+    drawn = []
+    once = sampler.sample_constant
+    monkeypatch.setattr(sampler, "sample_constant", lambda *a: drawn.append(1) or once(*a))
+    fast = tokens("f")
+    assert bool(drawn) == (params.repetition_penalty is None)  # the path was taken
+    monkeypatch.setattr(TokenPicker, "_constant_args", lambda self, seq: None)
+    assert fast == tokens("g")
 
 
 def test_seeds_reproduce_and_differ(tiny_model_dir: Path) -> None:

@@ -14,9 +14,11 @@ from genai_service.contract.request import SamplingParams
 from genai_service.engine.sampling.sampler import (
     SampleOutput,
     SamplingRow,
+    constant_args,
     penalize,
     prepare,
     sample,
+    sample_constant,
 )
 
 # A known distribution over V=8: logits are log-probabilities.
@@ -533,3 +535,50 @@ def test_the_log_sum_exp_in_blocks_of_rows_changes_no_bit(monkeypatch: pytest.Mo
     assert one.logprobs.tobytes() == blocks.logprobs.tobytes()
     for a, b in zip(one.top_logprobs, blocks.top_logprobs, strict=True):
         assert a.tobytes() == b.tobytes()
+
+
+# -- args built once (sample_constant) -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.7, top_k=50),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=0.7, top_k=50, top_p=0.9),
+        SamplingParams(temperature=1.3, top_k=5, min_p=0.05),
+        SamplingParams(temperature=0.7, top_p=0.8, min_p=0.1),
+        SamplingParams(temperature=0.7, top_k=40000),
+    ],
+)
+def test_constant_args_draw_what_sample_draws(params: SamplingParams) -> None:
+    """A row whose args are built once draws, step after step, exactly the
+    tokens of the general path with the same generator (one draw per step)."""
+    rng = np.random.default_rng(7)
+    once = constant_args(make_row(params, seed=11))
+    assert once is not None
+    general = make_row(params, seed=11)
+    for step in range(60):
+        logits = (rng.standard_normal(49_152) * (1 + step % 5)).astype(np.float32)
+        if step % 7 == 3:
+            logits[rng.integers(0, 49_152, 3000)] = -np.inf  # masked tokens
+        want = run(logits, [general]).token_ids[0]
+        assert sample_constant(logits, once) == want, step
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        make_row(SamplingParams()),  # greedy
+        make_row(SamplingParams(temperature=0.7, repetition_penalty=1.1), output=(3,)),
+        make_row(SamplingParams(temperature=0.7, frequency_penalty=0.5), output=(3,)),
+        make_row(SamplingParams(temperature=0.7, logit_bias=((3, 1.0),))),
+        make_row(SamplingParams(temperature=0.7, typical_p=0.9)),
+        make_row(SamplingParams(temperature=0.7), banned_token_ids=(2,)),
+        make_row(SamplingParams(temperature=0.7), top_logprobs=2, want_logprobs=True),
+        make_row(SamplingParams(temperature=0.7), allowed=np.ones(8, dtype=bool)),
+    ],
+)
+def test_constant_args_refuse_rows_that_change_between_steps(row: SamplingRow) -> None:
+    assert constant_args(row) is None
