@@ -247,6 +247,9 @@ class TokenPicker:
         constraint accepts before the check."""
         if plain_greedy(seq, len(pending), masked=True):
             return int(np.argmax(row))
+        constant = self._constant_args(seq)  # the same with the guesses pending
+        if constant is not None:
+            return sampling.sample_constant(row, replace(constant, rngs=[rng]))
         base = sampling_row(seq, self.defaults, pending, None, self.texts)
         guess_row = replace(base, rng=rng, top_logprobs=0, want_logprobs=False)
         return int(sampling.sample(row[None], sampling.prepare([guess_row])).token_ids[0])

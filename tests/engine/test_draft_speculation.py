@@ -25,6 +25,7 @@ from genai_service.contract.request import (
 )
 from genai_service.engine.engine import LLMEngine
 from genai_service.engine.runner.model_runner import PastPresentRunner, StepItem
+from genai_service.engine.sampling import sampler
 from genai_service.engine.speculation import DraftModel
 from genai_service.model.model_dir import load_model_spec
 from tests.tiny_model import GQA_SPEC, TinyModelSpec, build_tiny_model, encode_bytes, encode_words
@@ -110,6 +111,28 @@ def test_a_right_draft_gives_k_plus_one_tokens_per_step(
     # prefill gives the first token; then 4 guesses + 1 per step; 12 left = 5 + 5 + 2
     assert steps == [1, 5, 5, 2]
     assert engine.counters["spec_accepted_tokens"] == engine.counters["spec_draft_tokens"] == 9
+
+
+@pytest.mark.parametrize("constant", [True, False])
+def test_a_right_draft_guesses_every_sampled_pick(
+    constant: bool,
+    tiny_models: dict[str, Path],
+    drafts: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The target as its own draft, sampled: each guess draws from a copy of the
+    sequence's generator, so it is the target's own pick and every one is
+    accepted, whether the guess draws through args built once (a row whose
+    args never change) or built per guess (a repetition penalty)."""
+    sampling = SAMPLED if constant else dataclasses.replace(SAMPLED, repetition_penalty=1.2)
+    engine = engine_for(tiny_models["gqa"], drafts["same"], num_tokens=4)
+    guesses = []
+    once = sampler.sample_constant
+    monkeypatch.setattr(sampler, "sample_constant", lambda *a: guesses.append(1) or once(*a))
+    engine.generate(request("a", PROMPT, 21, sampling=sampling))
+    c = engine.counters
+    assert c["spec_accepted_tokens"] == c["spec_draft_tokens"] == 16
+    assert bool(guesses) == constant
 
 
 def draft_kv_matches_a_recompute(engine: LLMEngine, rid: str, draft_dir: Path) -> int:
