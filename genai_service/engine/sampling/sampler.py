@@ -514,8 +514,9 @@ def _sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingAr
     dn = np.flatnonzero(live & ~cut)  # rows with nothing cut: the whole vocabulary
     dense_of = np.full(n, -1, dtype=np.int64)  # row -> its row of ``ed``
     dense_of[dn] = np.arange(dn.size)
-    padded = np.zeros((dn.size, nb * DRAW_BLOCK), dtype=np.float32)  # [D, nb * 256]
-    ed = padded[:, :v]  # [D, V]; the padding stays 0
+    padded = np.empty((dn.size, nb * DRAW_BLOCK), dtype=np.float32)  # [D, nb * 256]
+    padded[:, v:] = 0.0  # the last block's padding
+    ed = padded[:, :v]  # [D, V]
     if dn.size:
         np.divide(kernels.take_rows(xs, dn), t[dn, None], out=ed)
         ed -= m[dn, None]
