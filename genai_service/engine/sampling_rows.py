@@ -218,6 +218,9 @@ class TokenPicker:
         [vocab]) after ``pending`` (picked, not yet appended: a draft being checked)."""
         if plain_greedy(seq, len(pending)):
             return int(np.argmax(row)), None
+        constant = self._constant_args(seq)  # (None for a constrained row)
+        if constant is not None:
+            return sampling.sample_constant(row, constant), None
         allowed = None
         if seq.matcher is not None:
             # The mask after the pending tokens: consume them, then roll back.
