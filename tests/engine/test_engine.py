@@ -370,20 +370,24 @@ def test_context_limit_yields_the_rest_of_the_window(short_context_model_dir: Pa
 
 
 @pytest.mark.parametrize(
-    "params",
+    ("params", "constant"),
     [
-        SamplingParams(temperature=1.5, top_k=5, top_p=0.9, seed=3),
-        SamplingParams(temperature=0.8, min_p=0.05, seed=4),
-        SamplingParams(temperature=1.2, repetition_penalty=1.3, seed=5),  # never constant
+        (SamplingParams(temperature=1.5, top_k=5, top_p=0.9, seed=3), True),
+        (SamplingParams(temperature=0.8, min_p=0.05, seed=4), True),
+        # Never constant; the last three act on nothing at the first pick.
+        (SamplingParams(temperature=1.2, repetition_penalty=1.3, seed=5), False),
+        (SamplingParams(temperature=1.2, frequency_penalty=1.5, seed=6), False),
+        (SamplingParams(temperature=1.2, presence_penalty=1.5, seed=7), False),
+        (SamplingParams(temperature=1.2, dry_multiplier=2.0, dry_allowed_length=1, seed=8), False),
     ],
 )
 def test_sampler_args_built_once_pick_the_general_paths_tokens(
-    tiny_model_dir: Path, params: SamplingParams, monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path, params: SamplingParams, constant: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Sampled rows whose sampler args never change draw through args built once
     per sequence (TokenPicker._constant_args); the tokens are those of the
     per-step path, alone and two at a time, with min_new_tokens' EOS bans
-    (per-step) before the rows become constant."""
+    (per-step) before the rows become constant; rows with penalties never do."""
 
     def requests(tag: str) -> list[GenerationRequest]:
         return [
@@ -406,7 +410,7 @@ def test_sampler_args_built_once_pick_the_general_paths_tokens(
     once = sampler.sample_constant
     monkeypatch.setattr(sampler, "sample_constant", lambda *a: drawn.append(1) or once(*a))
     fast = tokens("f")
-    assert bool(drawn) == (params.repetition_penalty is None)  # the path was taken
+    assert bool(drawn) == constant  # the path was taken, or not
     monkeypatch.setattr(TokenPicker, "_constant_args", lambda self, seq: None)
     assert fast == tokens("g")
 

@@ -573,6 +573,11 @@ def test_constant_args_draw_what_sample_draws(params: SamplingParams) -> None:
         make_row(SamplingParams()),  # greedy
         make_row(SamplingParams(temperature=0.7, repetition_penalty=1.1), output=(3,)),
         make_row(SamplingParams(temperature=0.7, frequency_penalty=0.5), output=(3,)),
+        # Penalties and bans with nothing to act on yet still change later steps:
+        make_row(SamplingParams(temperature=0.7, frequency_penalty=0.5)),
+        make_row(SamplingParams(temperature=0.7, presence_penalty=0.5)),
+        make_row(SamplingParams(temperature=0.7, dry_multiplier=0.8), prompt=(1, 2, 3)),
+        make_row(SamplingParams(temperature=0.7), bad_words=((5, 6),)),
         make_row(SamplingParams(temperature=0.7, logit_bias=((3, 1.0),))),
         make_row(SamplingParams(temperature=0.7, typical_p=0.9)),
         make_row(SamplingParams(temperature=0.7), banned_token_ids=(2,)),

@@ -416,26 +416,26 @@ def sample(logits: np.ndarray, args: SamplingArgs) -> SampleOutput:
 
 def constant_args(row: SamplingRow) -> SamplingArgs | None:
     """``prepare([row])`` when it is the same at every step of the row's
-    sequence (sampled, no penalty, ban, bias, mask, later stage or logprobs:
-    nothing that reads the tokens so far), so it can be built once and drawn
-    from with ``sample_constant``; None otherwise."""
-    args = prepare([row])
+    sequence, so it can be built once and drawn from with ``sample_constant``;
+    None otherwise. Decided from what the row asks for, not from what this
+    step's ``prepare`` built: a frequency, presence or DRY penalty, or a bad
+    word's ban, is empty until the tokens so far give it something to act on."""
+    p = row.params
     if (
-        args.temperature[0] > 0
-        and not (
-            len(args.banned)
-            or len(args.repetition)
-            or len(args.additive)
-            or len(args.only)
-            or len(args.bias)
-        )
-        and args.allowed is None
-        and not args.extended
-        and not args.want_logprobs[0]
-        and not args.top_logprobs[0]
+        p.greedy
+        or p.repetition_penalty not in (None, 1.0)
+        or p.frequency_penalty
+        or p.presence_penalty
+        or p.changes_logits  # DRY, logit_bias, bans, allowed ids, bad words
+        or p.extended
+        or row.bad_words
+        or row.banned_token_ids
+        or row.allowed is not None
+        or row.want_logprobs
+        or row.top_logprobs
     ):
-        return args
-    return None
+        return None
+    return prepare([row])
 
 
 def sample_constant(logits: np.ndarray, args: SamplingArgs) -> int:
