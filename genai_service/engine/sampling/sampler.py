@@ -592,19 +592,21 @@ def _sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingAr
 
 
 def _sample_cut_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) -> int | None:
-    """``_sample_rows`` for the one row ``i`` when a cut-off (top-k, min-p)
-    leaves it a short candidate list: the same float32 and float64 operations
-    on the same values in the same order, so the same token, with a fraction
-    of the numpy calls (at batch 1 the batched form is mostly call overhead).
-    None, before drawing anything, for a row it does not handle (nothing cut:
-    the whole vocabulary; ``_sample_rows`` then takes it)."""
+    """``_sample_rows`` for the one row ``i`` when a cut-off (top-k, min-p) or
+    top-p leaves it a short candidate list: the same float32 and float64
+    operations on the same values in the same order, so the same token, with a
+    fraction of the numpy calls (at batch 1 the batched form is mostly call
+    overhead). None, before drawing anything, for a row it does not handle
+    (nothing cut at all, temperature only: the whole vocabulary; ``_sample_rows``
+    then takes it)."""
     v = x.shape[1]
     k = int(args.top_k[i])
     min_p = args.min_p[i]
     top_p = args.top_p[i]
     top_k = 0 < k < v
     late = min_p > 0 and top_p < 1.0  # min-p after top-p: it cuts nothing before it
-    if not top_k and not (min_p > 0 and not late):
+    cut = top_k or (min_p > 0 and not late)
+    if not cut and top_p >= 1.0:
         return None
     row = x[i]
     t = args.temperature[i]
@@ -613,43 +615,47 @@ def _sample_cut_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) 
     if not np.isfinite(m):  # everything masked (or NaN/inf): the raw argmax, after the draw
         args.rngs[i].random()
         return int(fallback_tokens(raw, np.array([i]), args)[0])
-    floor = m + np.log(min_p) if min_p > 0 and not late else np.float32(-np.inf)
-    if top_k:
-        h = heads.shape[0]
-        bound = np.partition(heads, h - k)[h - k :].min()
-        # (at least k: the k heads at or above the bound are entries of the row)
-        cols = np.flatnonzero(row >= kernels.float32_below(np.asarray(bound, dtype=np.float64)))
-        vals = row[cols]
-        kth = -np.partition(-vals, k - 1)[k - 1]  # the k-th largest, as sorted_desc ranks
-        floor = max(floor, kth / t)
-        if not np.isfinite(floor):
-            return None  # fewer than k finite logits: nothing is cut
+    if not cut:  # top-p with nothing cut before it
+        cols, e = _dense_nucleus_row(row, t, m, top_p)
+        run, starts = _touched_run(cols, e, v)
     else:
-        cols = np.flatnonzero(
-            row >= kernels.float32_below(np.asarray(floor, dtype=np.float64) * np.float64(t))
-        )
-        vals = row[cols]
-    xt = vals / t
-    on = xt >= floor
-    e = np.exp(xt[on] - m)
-    cols = cols[on]
-    on = e > 0
-    cols, e = cols[on], e[on]
+        floor = m + np.log(min_p) if min_p > 0 and not late else np.float32(-np.inf)
+        if top_k:
+            h = heads.shape[0]
+            bound = np.partition(heads, h - k)[h - k :].min()
+            # (at least k: the k heads at or above the bound are entries of the row)
+            cols = np.flatnonzero(row >= kernels.float32_below(np.asarray(bound, dtype=np.float64)))
+            vals = row[cols]
+            kth = -np.partition(-vals, k - 1)[k - 1]  # the k-th largest, as sorted_desc ranks
+            floor = max(floor, kth / t)
+            if not np.isfinite(floor):
+                return None  # fewer than k finite logits: nothing is cut
+        else:
+            cols = np.flatnonzero(
+                row >= kernels.float32_below(np.asarray(floor, dtype=np.float64) * np.float64(t))
+            )
+            vals = row[cols]
+        xt = vals / t
+        on = xt >= floor
+        e = np.exp(xt[on] - m)
+        cols = cols[on]
+        on = e > 0
+        cols, e = cols[on], e[on]
 
-    # The two-level draw over the blocks the candidates touch: untouched
-    # blocks hold no mass, and adding their zeros changes no running total,
-    # so this is the dense form's draw on the dense form's block sums.
-    run, starts = _touched_run(cols, e, v)
-    if top_p < 1.0 and e.size:
-        # kernels.nucleus on one row: most likely first, the first prefix
-        # whose float64 running mass reaches the target sets the floor.
-        desc = -np.sort(-e)
-        reached = np.cumsum(desc, dtype=np.float64) >= top_p * run[-1]
-        if reached.any():
-            keep = e >= desc[reached.argmax()]
-            if not keep.all():
-                cols, e = cols[keep], e[keep]
-                run, starts = _touched_run(cols, e, v)
+        # The two-level draw over the blocks the candidates touch: untouched
+        # blocks hold no mass, and adding their zeros changes no running total,
+        # so this is the dense form's draw on the dense form's block sums.
+        run, starts = _touched_run(cols, e, v)
+        if top_p < 1.0 and e.size:
+            # kernels.nucleus on one row: most likely first, the first prefix
+            # whose float64 running mass reaches the target sets the floor.
+            desc = -np.sort(-e)
+            reached = np.cumsum(desc, dtype=np.float64) >= top_p * run[-1]
+            if reached.any():
+                keep = e >= desc[reached.argmax()]
+                if not keep.all():
+                    cols, e = cols[keep], e[keep]
+                    run, starts = _touched_run(cols, e, v)
     if late:  # min-p on the nucleus, as _sample_rows does
         keep = e >= min_p
         if not keep.all():
@@ -673,6 +679,23 @@ def _sample_cut_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) 
     # count over the block's 256 running totals finds.
     r = int(np.count_nonzero(np.cumsum(e[lo:hi], dtype=np.float64) <= goal))
     return int(cols[lo + min(r, hi - lo - 1)])
+
+
+def _dense_nucleus_row(
+    row: np.ndarray, t: np.float32, m: np.float32, top_p: np.float64
+) -> tuple[np.ndarray, np.ndarray]:
+    """The nucleus (token ids ascending, masses) of a row that nothing cuts
+    before top-p, as ``_sample_rows`` finds it for a dense row: the whole
+    vocabulary's masses and their total summed as its block sums and running
+    total are, then ``kernels.dense_nucleus`` on that one row."""
+    v = row.shape[0]
+    e = np.divide(row, t)
+    e -= m
+    np.exp(e, out=e)
+    blocks = np.add.reduceat(e, np.arange(0, v, DRAW_BLOCK))
+    total = np.cumsum(blocks, dtype=np.float64)[-1:]
+    _, cols, vals = kernels.dense_nucleus(e[None], _ROW_ZERO, total, np.array([top_p]))
+    return cols, vals
 
 
 def _touched_run(cols: np.ndarray, e: np.ndarray, v: int) -> tuple[np.ndarray, np.ndarray]:
