@@ -509,10 +509,8 @@ def test_the_one_row_path_draws_what_the_batched_path_draws(
             assert a.token_ids[s].tolist() == b.tolist()
     finally:
         sampler.ROW_PATH_MAX_ROWS = limit
-    # (else it declines: a temperature-only row, or a top-k row with fewer than
-    # k finite logits; a top-p row that nothing cuts before it takes the whole
-    # vocabulary's masses, then the nucleus)
-    if (top_k or min_p or top_p < 1.0) and masked < vocab - top_k:
+    # (it declines only a top-k row with fewer than k finite logits)
+    if masked < vocab - top_k:
         assert sampler._sample_cut_row(logits, logits, 0, one_by_one) is not None
 
 

@@ -596,9 +596,10 @@ def _sample_cut_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) 
     top-p leaves it a short candidate list: the same float32 and float64
     operations on the same values in the same order, so the same token, with a
     fraction of the numpy calls (at batch 1 the batched form is mostly call
-    overhead). None, before drawing anything, for a row it does not handle
-    (nothing cut at all, temperature only: the whole vocabulary; ``_sample_rows``
-    then takes it)."""
+    overhead); a row that nothing cuts (temperature only) draws on the whole
+    row (``_sample_dense_row``). None, before drawing anything, for a top-k row
+    with fewer than k finite logits (nothing is cut; ``_sample_rows`` then
+    takes it)."""
     v = x.shape[1]
     k = int(args.top_k[i])
     min_p = args.min_p[i]
@@ -606,8 +607,6 @@ def _sample_cut_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) 
     top_k = 0 < k < v
     late = min_p > 0 and top_p < 1.0  # min-p after top-p: it cuts nothing before it
     cut = top_k or (min_p > 0 and not late)
-    if not cut and top_p >= 1.0:
-        return None
     row = x[i]
     t = args.temperature[i]
     heads = kernels.group_heads(row[None], args.top_k[i : i + 1])[0] if top_k else row
@@ -615,6 +614,8 @@ def _sample_cut_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) 
     if not np.isfinite(m):  # everything masked (or NaN/inf): the raw argmax, after the draw
         args.rngs[i].random()
         return int(fallback_tokens(raw, np.array([i]), args)[0])
+    if not cut and top_p >= 1.0:  # temperature only: the whole vocabulary
+        return _sample_dense_row(raw, row, t, m, i, args)
     if not cut:  # top-p with nothing cut before it
         cols, e = _dense_nucleus_row(row, t, m, top_p)
         run, starts = _touched_run(cols, e, v)
@@ -679,6 +680,38 @@ def _sample_cut_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) 
     # count over the block's 256 running totals finds.
     r = int(np.count_nonzero(np.cumsum(e[lo:hi], dtype=np.float64) <= goal))
     return int(cols[lo + min(r, hi - lo - 1)])
+
+
+def _sample_dense_row(
+    raw: np.ndarray, row: np.ndarray, t: np.float32, m: np.float32, i: int, args: SamplingArgs
+) -> int:
+    """The draw of ``_sample_rows`` for a row that nothing cuts (temperature
+    only), on the whole row: its masses, block sums and float64 running total
+    as the batched form computes them, the block the goal falls in (stepping
+    back past blocks without mass, for rounding at the top), then the token
+    within it."""
+    v = row.shape[0]
+    e = np.divide(row, t)
+    e -= m
+    np.exp(e, out=e)
+    blocks = np.add.reduceat(e, np.arange(0, v, DRAW_BLOCK))
+    run = np.cumsum(blocks, dtype=np.float64)  # mass up to the end of each block
+    u = args.rngs[i].random()  # exactly one per row per step
+    total = run[-1]
+    if not total > 0:
+        return int(fallback_tokens(raw, np.array([i]), args)[0])
+    goal = u * total
+    b = min(int(np.count_nonzero(run <= goal)), blocks.size - 1)
+    if blocks[b] <= 0:  # (only past the last block: the goal rounded up to the total)
+        with_mass = np.flatnonzero(blocks[: b + 1] > 0)
+        b = int(with_mass[-1]) if with_mass.size else 0
+    if b:
+        goal -= run[b - 1]
+    part = e[b * DRAW_BLOCK : (b + 1) * DRAW_BLOCK]
+    j = int(np.count_nonzero(np.cumsum(part, dtype=np.float64) <= goal))
+    if j >= part.size:  # rounding: the block's last token with mass
+        j = int(np.flatnonzero(part)[-1])
+    return b * DRAW_BLOCK + j
 
 
 def _dense_nucleus_row(
