@@ -446,14 +446,15 @@ def test_a_masked_row_with_nothing_to_pick_keeps_to_its_mask(params: SamplingPar
 @settings(max_examples=300, deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1),
-    vocab=st.sampled_from([7, 300, 2048, 49152]),
+    vocab=st.sampled_from([1, 7, 257, 300, 2048, 49152]),
     top_k=st.sampled_from([0, 1, 2, 5, 50, 400]),
     min_p=st.sampled_from([0.0, 0.01, 0.2]),
-    top_p=st.sampled_from([1.0, 0.9, 0.5, 0.05]),
-    temperature=st.sampled_from([0.3, 0.7, 1.0, 1.7]),
+    top_p=st.sampled_from([1.0, 0.999999, 0.9, 0.5, 0.05]),
+    temperature=st.sampled_from([1e-3, 0.3, 0.7, 1.0, 1.7, 50.0]),
     masked=st.sampled_from([0, 1, 3, 10_000, 10**9]),
     batch=st.integers(1, 4),
     repetition=st.sampled_from([None, 1.3]),
+    poison=st.sampled_from([None, None, None, np.nan, np.inf]),
 )
 def test_the_one_row_path_draws_what_the_batched_path_draws(
     seed: int,
@@ -465,8 +466,9 @@ def test_the_one_row_path_draws_what_the_batched_path_draws(
     masked: int,
     batch: int,
     repetition: float | None,
+    poison: float | None,
 ) -> None:
-    """A step with few sampled rows takes them one by one (``_sample_cut_row``);
+    """A step with few sampled rows takes them one by one (``_sample_one_row``);
     each must pick exactly the token of the batched form (and draw as much).
     Row 0 has the drawn parameters; the others vary them (greedy and dense
     rows among them), so handled and declined rows mix in one step."""
@@ -478,6 +480,8 @@ def test_the_one_row_path_draws_what_the_batched_path_draws(
     logits[:, gen.permutation(vocab)[: min(masked, vocab)]] = -np.inf
     if gen.random() < 0.2:
         logits[:, gen.integers(0, vocab, 3)] = logits[0].max()  # ties at the top
+    if poison is not None:  # a NaN or +inf logit in one row
+        logits[gen.integers(0, batch), gen.integers(0, vocab)] = poison
     params = [
         SamplingParams(
             temperature=temperature,
@@ -511,7 +515,7 @@ def test_the_one_row_path_draws_what_the_batched_path_draws(
         sampler.ROW_PATH_MAX_ROWS = limit
     # (it declines only a top-k row with fewer than k finite logits)
     if masked < vocab - top_k:
-        assert sampler._sample_cut_row(logits, logits, 0, one_by_one) is not None
+        assert sampler._sample_one_row(logits, logits, 0, one_by_one) is not None
 
 
 def test_the_log_sum_exp_in_blocks_of_rows_changes_no_bit(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -34,8 +34,8 @@ only rows that nothing truncates exponentiate the whole vocabulary. The
 per-token arithmetic is the dense one (same float32 operations, block masses
 summed over the same blocks), so both forms draw the same tokens;
 ``tests/unit/test_sampler_golden.py`` holds the draws fixed. At batch 1-2,
-where a batched step is mostly numpy call overhead, rows with a cut-off take
-``_sample_cut_row``, the same arithmetic one row at a time.
+where a batched step is mostly numpy call overhead, sampled rows take
+``_sample_one_row``, the same arithmetic one row at a time.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ from genai_service.contract.request import (
 from . import sampler_kernels as kernels
 from .sampler_kernels import DRAW_BLOCK, NO_IDS, NO_VALS
 
-# Up to this many sampled rows a step takes them one by one where a cut-off
-# leaves a short list (``_sample_cut_row``); more go through the batched path.
+# Up to this many sampled rows a step takes them one by one
+# (``_sample_one_row``); more go through the batched path.
 # Measured (temperature + top-p + top-k + repetition, V = 49,152, ms per step,
 # one by one / batched): B=1 0.35 / 0.55, B=2 0.61 / 0.65, B=3 0.88 / 0.77.
 ROW_PATH_MAX_ROWS = 2
@@ -403,7 +403,7 @@ def sample(logits: np.ndarray, args: SamplingArgs) -> SampleOutput:
         if s.size:
             rest = s
             if s.size <= ROW_PATH_MAX_ROWS:
-                picked = [_sample_cut_row(raw, x, int(i), args) for i in s]
+                picked = [_sample_one_row(raw, x, int(i), args) for i in s]
                 for i, token in zip(s, picked, strict=True):
                     if token is not None:
                         tokens[i] = token
@@ -444,7 +444,7 @@ def sample_constant(logits: np.ndarray, args: SamplingArgs) -> int:
     set-up (at batch 1 that set-up cost a third of the pick)."""
     raw = np.asarray(logits, dtype=np.float32)[None]
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        token = _sample_cut_row(raw, raw, 0, args)
+        token = _sample_one_row(raw, raw, 0, args)
         if token is None:
             token = int(_sample_rows(raw, raw, _ROW_ZERO, args)[0])
     return token
@@ -591,7 +591,7 @@ def _sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingAr
     return out
 
 
-def _sample_cut_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) -> int | None:
+def _sample_one_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) -> int | None:
     """``_sample_rows`` for the one row ``i`` when a cut-off (top-k, min-p) or
     top-p leaves it a short candidate list: the same float32 and float64
     operations on the same values in the same order, so the same token, with a
@@ -682,6 +682,16 @@ def _sample_cut_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) 
     return int(cols[lo + min(r, hi - lo - 1)])
 
 
+def _row_masses(row: np.ndarray, t: np.float32, m: np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """A whole row's unnormalised probabilities ``exp(row / t - m)`` and their
+    ``DRAW_BLOCK`` sums, with the float32 operations and block sums of the
+    batched form's dense rows."""
+    e = np.divide(row, t)
+    e -= m
+    np.exp(e, out=e)
+    return e, np.add.reduceat(e, np.arange(0, row.shape[0], DRAW_BLOCK))
+
+
 def _sample_dense_row(
     raw: np.ndarray, row: np.ndarray, t: np.float32, m: np.float32, i: int, args: SamplingArgs
 ) -> int:
@@ -690,15 +700,11 @@ def _sample_dense_row(
     as the batched form computes them, the block the goal falls in (stepping
     back past blocks without mass, for rounding at the top), then the token
     within it."""
-    v = row.shape[0]
-    e = np.divide(row, t)
-    e -= m
-    np.exp(e, out=e)
-    blocks = np.add.reduceat(e, np.arange(0, v, DRAW_BLOCK))
+    e, blocks = _row_masses(row, t, m)
     run = np.cumsum(blocks, dtype=np.float64)  # mass up to the end of each block
     u = args.rngs[i].random()  # exactly one per row per step
     total = run[-1]
-    if not total > 0:
+    if not total > 0:  # (not with a finite maximum, whose token has mass 1: kept as a guard)
         return int(fallback_tokens(raw, np.array([i]), args)[0])
     goal = u * total
     b = min(int(np.count_nonzero(run <= goal)), blocks.size - 1)
@@ -721,11 +727,7 @@ def _dense_nucleus_row(
     before top-p, as ``_sample_rows`` finds it for a dense row: the whole
     vocabulary's masses and their total summed as its block sums and running
     total are, then ``kernels.dense_nucleus`` on that one row."""
-    v = row.shape[0]
-    e = np.divide(row, t)
-    e -= m
-    np.exp(e, out=e)
-    blocks = np.add.reduceat(e, np.arange(0, v, DRAW_BLOCK))
+    e, blocks = _row_masses(row, t, m)
     total = np.cumsum(blocks, dtype=np.float64)[-1:]
     _, cols, vals = kernels.dense_nucleus(e[None], _ROW_ZERO, total, np.array([top_p]))
     return cols, vals
