@@ -69,6 +69,16 @@ class SamplingParams:
         return self.temperature is None or self.temperature == 0.0
 
     @property
+    def penalizes(self) -> bool:
+        """Whether a repetition, frequency or presence penalty is set (it reads
+        the tokens so far, so a row with one changes from step to step)."""
+        return (
+            self.repetition_penalty not in (None, 1.0)
+            or bool(self.frequency_penalty)
+            or bool(self.presence_penalty)
+        )
+
+    @property
     def changes_logits(self) -> bool:
         """Whether a logit control beyond the classic penalties is set (greedy
         rows then need the sampler too)."""

@@ -34,9 +34,7 @@ def plain_greedy(seq: Sequence, pending: int = 0, masked: bool = False) -> bool:
         and p.greedy
         and seq.request.top_logprobs == 0
         and len(seq.output_ids) + pending >= seq.request.stopping.min_new_tokens
-        and p.repetition_penalty in (None, 1.0)
-        and not p.frequency_penalty
-        and not p.presence_penalty
+        and not p.penalizes
         and not p.changes_logits
     )
 
@@ -198,14 +196,9 @@ class TokenPicker:
     def _constant_args(self, seq: Sequence) -> sampling.SamplingArgs | None:
         """``seq``'s sampler args if they are the same at every step from now on
         (``sampling.constant_args``), built on its first such step; else None.
-        A row past its ``min_new_tokens`` (no EOS ban any more), unconstrained
-        and without logprobs stays so: only its generator's state changes."""
-        if (
-            seq.matcher is not None
-            or seq.request.sampling.greedy
-            or seq.request.top_logprobs
-            or len(seq.output_ids) < seq.request.stopping.min_new_tokens
-        ):
+        Not while it is short of its ``min_new_tokens`` (EOS is banned until
+        then) nor under a constraint (its mask is not in the row built here)."""
+        if seq.matcher is not None or len(seq.output_ids) < seq.request.stopping.min_new_tokens:
             return None
         cached = seq.plain_args
         if cached is None or cached[0] is not seq.rng:

@@ -423,9 +423,7 @@ def constant_args(row: SamplingRow) -> SamplingArgs | None:
     p = row.params
     if (
         p.greedy
-        or p.repetition_penalty not in (None, 1.0)
-        or p.frequency_penalty
-        or p.presence_penalty
+        or p.penalizes
         or p.changes_logits  # DRY, logit_bias, bans, allowed ids, bad words
         or p.extended
         or row.bad_words
@@ -518,10 +516,7 @@ def _sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingAr
     padded[:, v:] = 0.0  # the last block's padding
     ed = padded[:, :v]  # [D, V]
     if dn.size:
-        np.divide(kernels.take_rows(xs, dn), t[dn, None], out=ed)
-        ed -= m[dn, None]
-        np.exp(ed, out=ed)
-        blocks[dn] = np.add.reduceat(ed, np.arange(0, v, DRAW_BLOCK), axis=1)
+        blocks[dn] = _masses(kernels.take_rows(xs, dn), t[dn], m[dn], ed)
     kernels.set_block_sums(blocks, rows_c, cols_c, e_c, v)
     cum = np.zeros((n, nb + 1))  # cum[:, j + 1]: mass of blocks 0..j, float64
     np.cumsum(blocks, axis=1, dtype=np.float64, out=cum[:, 1:])
@@ -682,14 +677,22 @@ def _sample_one_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) 
     return int(cols[lo + min(r, hi - lo - 1)])
 
 
+def _masses(x: np.ndarray, t: np.ndarray, m: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Whole rows' unnormalised probabilities ``out = exp(x / t - m)`` ([D, V];
+    ``t``, ``m`` [D]: temperature and the scaled maximum) and their
+    ``DRAW_BLOCK`` sums [D, nb]: the one arithmetic of every dense row, batched
+    or one at a time, so both forms draw alike."""
+    np.divide(x, t[:, None], out=out)
+    out -= m[:, None]
+    np.exp(out, out=out)
+    return np.add.reduceat(out, np.arange(0, x.shape[1], DRAW_BLOCK), axis=1)
+
+
 def _row_masses(row: np.ndarray, t: np.float32, m: np.float32) -> tuple[np.ndarray, np.ndarray]:
-    """A whole row's unnormalised probabilities ``exp(row / t - m)`` and their
-    ``DRAW_BLOCK`` sums, with the float32 operations and block sums of the
-    batched form's dense rows."""
-    e = np.divide(row, t)
-    e -= m
-    np.exp(e, out=e)
-    return e, np.add.reduceat(e, np.arange(0, row.shape[0], DRAW_BLOCK))
+    """``_masses`` of one row [V]: its masses [V] and block sums [nb]."""
+    e = np.empty((1, row.shape[0]), dtype=np.float32)
+    blocks = _masses(row[None], np.array([t]), np.array([m]), e)
+    return e[0], blocks[0]
 
 
 def _sample_dense_row(
