@@ -518,27 +518,56 @@ def test_the_one_row_path_draws_what_the_batched_path_draws(
         assert sampler._sample_one_row(logits, logits, 0, one_by_one) is not None
 
 
-def test_the_log_sum_exp_in_blocks_of_rows_changes_no_bit(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Logprobs take each row's log-sum-exp a block of rows at a time in one
-    reused buffer: the same logprobs and alternatives, bit for bit, whatever
-    the block."""
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7, top_p=0.9),  # dense masses, then the nucleus
+        SamplingParams(temperature=1.3),  # dense masses and the whole-row draw
+        SamplingParams(temperature=0.7, top_k=50, repetition_penalty=1.2),
+    ],
+)
+def test_rows_in_blocks_for_the_cache_change_no_bit(
+    monkeypatch: pytest.MonkeyPatch, params: SamplingParams
+) -> None:
+    """Large batches go through their O(V) passes a row (dense masses) or a
+    block of rows (logprobs' log-sum-exp) at a time: the same tokens,
+    logprobs and alternatives, bit for bit, whatever the block."""
     from genai_service.engine.sampling import sampler_kernels
 
     v = 3 * 4096 + 77
     logits = np.random.default_rng(3).standard_normal((5, v)).astype(np.float32) * 4
 
     def run(block: int) -> SampleOutput:
+        monkeypatch.setattr(sampler_kernels, "CACHE_ELEMENTS", block)
         monkeypatch.setattr(sampler_kernels, "LSE_BLOCK_ELEMENTS", block)
-        params = SamplingParams(temperature=0.7, top_p=0.9)
-        rows = [make_row(params, seed=i, top_logprobs=3, want_logprobs=True) for i in range(5)]
+        rows = [
+            make_row(params, seed=i, output=[1, 2], top_logprobs=3, want_logprobs=True)
+            for i in range(5)
+        ]
         return sample(logits, prepare(rows))
 
-    one, blocks = run(1 << 40), run(2 * v)
-    assert one.token_ids.tolist() == blocks.token_ids.tolist()
-    assert one.logprobs is not None and blocks.logprobs is not None
-    assert one.logprobs.tobytes() == blocks.logprobs.tobytes()
-    for a, b in zip(one.top_logprobs, blocks.top_logprobs, strict=True):
-        assert a.tobytes() == b.tobytes()
+    # The masses themselves, every bit (a draw seldom shows a last-bit change).
+    from genai_service.engine.sampling import sampler
+
+    t = np.array([0.7, 1.0, 1.3, 0.3, 2.0], dtype=np.float32)
+    m = logits.max(axis=1) / t
+    monkeypatch.setattr(sampler_kernels, "CACHE_ELEMENTS", 1 << 40)
+    whole = np.empty_like(logits)
+    whole_blocks = sampler._masses(logits, t, m, whole)
+    monkeypatch.setattr(sampler_kernels, "CACHE_ELEMENTS", v)
+    by_row = np.empty_like(logits)
+    row_blocks = sampler._masses(logits, t, m, by_row)
+    assert whole.tobytes() == by_row.tobytes()
+    assert whole_blocks.tobytes() == row_blocks.tobytes()
+
+    one = run(1 << 40)
+    for block in (v, 2 * v):
+        blocks = run(block)
+        assert one.token_ids.tolist() == blocks.token_ids.tolist()
+        assert one.logprobs is not None and blocks.logprobs is not None
+        assert one.logprobs.tobytes() == blocks.logprobs.tobytes()
+        for a, b in zip(one.top_logprobs, blocks.top_logprobs, strict=True):
+            assert a.tobytes() == b.tobytes()
 
 
 # -- args built once (sample_constant) -------------------------------------------------

@@ -681,11 +681,23 @@ def _masses(x: np.ndarray, t: np.ndarray, m: np.ndarray, out: np.ndarray) -> np.
     """Whole rows' unnormalised probabilities ``out = exp(x / t - m)`` ([D, V];
     ``t``, ``m`` [D]: temperature and the scaled maximum) and their
     ``DRAW_BLOCK`` sums [D, nb]: the one arithmetic of every dense row, batched
-    or one at a time, so both forms draw alike."""
-    np.divide(x, t[:, None], out=out)
-    out -= m[:, None]
-    np.exp(out, out=out)
-    return np.add.reduceat(out, np.arange(0, x.shape[1], DRAW_BLOCK), axis=1)
+    or one at a time, so both forms draw alike. Rows larger together than
+    ``kernels.CACHE_ELEMENTS`` go a row at a time, so each row's four passes
+    find it in cache (the same float32 operations on each element; ``reduceat``
+    sums a row's blocks alike either way)."""
+    starts = np.arange(0, x.shape[1], DRAW_BLOCK)
+    if x.size <= kernels.CACHE_ELEMENTS:
+        np.divide(x, t[:, None], out=out)
+        out -= m[:, None]
+        np.exp(out, out=out)
+        return np.add.reduceat(out, starts, axis=1)
+    blocks = np.empty((x.shape[0], starts.size), dtype=np.float32)
+    for i, row in enumerate(out):
+        np.divide(x[i], t[i], out=row)
+        row -= m[i]
+        np.exp(row, out=row)
+        blocks[i] = np.add.reduceat(row, starts)
+    return blocks
 
 
 def _row_masses(row: np.ndarray, t: np.float32, m: np.float32) -> tuple[np.ndarray, np.ndarray]:
