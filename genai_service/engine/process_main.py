@@ -106,8 +106,11 @@ def engine_main(config: EngineConfig, conn: Connection, log_format: str) -> None
     from .engine import LLMEngine
 
     configure_logging(log_format)
-    if config.speculation.draft_model is not None:
-        # The target and the draft take turns on the cores: one thread pool.
+    spec = config.speculation
+    if spec.draft_model is not None or (spec.num_tokens and spec.max_batch > 1):
+        # The target and the draft (or the target's twin that checks several
+        # sequences at once, speculation at batch > 1) take turns on the cores:
+        # one thread pool.
         runner = dataclasses.replace(config.runner, shared_thread_pool=True)
         config = dataclasses.replace(config, runner=runner)
     try:

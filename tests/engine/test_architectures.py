@@ -76,3 +76,19 @@ def test_per_layer_windows_reach_the_model_spec(converted) -> None:
     shape = SHAPES[arch]
     want = tuple(shape.window if shape.window and (i + 1) % 6 else 0 for i in range(shape.layers))
     assert load_model_spec(model_dir).attention_windows == want
+
+
+def test_speculation_checks_several_sequences_in_one_call_where_the_graph_allows(
+    converted,
+) -> None:
+    """The converter's graphs (packed q|k|v, rotary in the node) have a twin that
+    checks several sequences at once, except Gemma 3's, whose sliding-window
+    layers it does not model (those check one sequence per call)."""
+    from tests.engine.test_shared_buffer_runner import twin_matches_one_call_per_item
+
+    arch, _, model_dir = converted
+    why = twin_matches_one_call_per_item(model_dir, atol=1e-3)
+    if arch == "gemma3":
+        assert why is not None and "local_window_size" in why
+    else:
+        assert why is None

@@ -76,12 +76,27 @@ def mixed_requests() -> list[GenerationRequest]:
 @pytest.mark.parametrize("draft", ["same", "one_layer", "other"])
 @pytest.mark.parametrize("max_batch", [1, 4])
 def test_tokens_are_those_of_a_plain_decode(
-    draft: str, max_batch: int, tiny_models: dict[str, Path], drafts: dict[str, Path]
+    draft: str,
+    max_batch: int,
+    tiny_models: dict[str, Path],
+    drafts: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from genai_service.engine.runner.shared_buffer_runner import SharedBufferRunner
+
     target = tiny_models["gqa"]
     plain = engine_for(target, None).run_to_completion(mixed_requests())
+    twin_calls = []
+    real_twin = SharedBufferRunner._run_twin
+    monkeypatch.setattr(
+        SharedBufferRunner,
+        "_run_twin",
+        lambda self, *a: twin_calls.append(len(a[2])) or real_twin(self, *a),
+    )
     engine = engine_for(target, drafts[draft], max_batch=max_batch)
     got = engine.run_to_completion(mixed_requests())
+    # At max_batch 4 several sequences' checks share a call (the graph's twin).
+    assert bool(twin_calls) == (max_batch > 1)
     for rid, want in plain.items():
         assert got[rid].token_ids == want.token_ids, rid
         assert got[rid].finish_reason is want.finish_reason

@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from genai_service.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig
 from genai_service.contract.request import GenerationRequest, StoppingCriteria
@@ -206,3 +207,68 @@ def test_the_layout_is_never_narrower_than_the_widest_sliding_window(
     runner.run([StepItem(2, ids[:3], 0)])
     runner.release(1)
     assert runner.capacity == 32  # 2's 3 tokens would fit 8: the window's floor holds
+
+
+def twin_matches_one_call_per_item(model_dir: Path, atol: float = 1e-4) -> str | None:
+    """Several sequences' guesses checked on the graph's twin (``batch_verify``)
+    against one GroupQueryAttention call per sequence: the same logits up to
+    float rounding, the same KV afterwards (the items' own tokens written
+    back, a row between them untouched), and the same next step from it.
+    None, or why the graph has no twin."""
+    spec = load_model_spec(model_dir)
+    per_item = SharedBufferRunner(spec, RunnerConfig(), max_slots=3, max_len=64)
+    twin = SharedBufferRunner(spec, RunnerConfig(), max_slots=3, max_len=64)
+    why = twin.batch_verify()
+    if why is not None:
+        return why
+    ids = np.random.default_rng(0).integers(1, min(spec.vocab_size, 1000), 30).tolist()
+    prompts = {1: ids[:6], 2: ids[6:8], 3: ids[8:17]}
+    for runner in (per_item, twin):
+        for seq, prompt in prompts.items():
+            runner.run([StepItem(seq, prompt, 0)])
+    # Sequences 1 and 3 check guesses of different lengths; 2, between them, rides along.
+    items = [StepItem(1, ids[17:20], len(prompts[1])), StepItem(3, ids[20:21], len(prompts[3]))]
+    want = [per_item.verify(item) for item in items]
+    got = twin.verify_batch(items)
+    for w, g in zip(want, got, strict=True):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g, w, atol=atol)
+        assert (g.argmax(axis=-1) == w.argmax(axis=-1)).all()
+    for seq in prompts:
+        held = per_item.kv_len(seq)
+        assert twin.kv_len(seq) == held
+        for (k, v), (k2, v2) in zip(
+            per_item.read_kv(seq, 0, held), twin.read_kv(seq, 0, held), strict=True
+        ):
+            np.testing.assert_allclose(k2, k, atol=atol)
+            np.testing.assert_allclose(v2, v, atol=atol)
+    # The next step reads the KV the twin wrote back.
+    step = [StepItem(seq, [5], per_item.kv_len(seq)) for seq in prompts]
+    np.testing.assert_allclose(twin.run(step), per_item.run(step), atol=atol)
+    return None
+
+
+def test_several_sequences_are_checked_in_one_call_on_the_graphs_twin(
+    tiny_models: dict[str, Path],
+) -> None:
+    assert twin_matches_one_call_per_item(tiny_models["gqa"]) is None  # rotary in the node
+    assert twin_matches_one_call_per_item(tiny_models["gqa-learned"]) is None  # position_ids
+
+
+def test_a_runner_without_a_twin_checks_one_sequence_per_call(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from genai_service.engine.runner import shared_buffer_runner
+
+    spec = load_model_spec(tiny_models["gqa"])
+    runner = SharedBufferRunner(spec, RunnerConfig(), max_slots=2, max_len=32)
+    calls = []
+    monkeypatch.setattr(runner, "verify", lambda item: calls.append(item) or np.zeros((1, 1)))
+    runner.verify_batch([StepItem(1, [1, 2], 0), StepItem(2, [3], 0)])
+    assert len(calls) == 2  # no batch_verify yet
+
+    def refuse(*args: object) -> None:
+        raise shared_buffer_runner.Unsupported("a sliding window (local_window_size)")
+
+    monkeypatch.setattr(shared_buffer_runner, "build_verify_graph", refuse)
+    assert runner.batch_verify() == "a sliding window (local_window_size)"

@@ -89,6 +89,12 @@ class ModelRunner(ABC):
         sequences in one ORT call override this."""
         return [self.verify(item) for item in items]
 
+    def batch_verify(self) -> str | None:
+        """Make ``verify_batch`` check several sequences in one ORT call where
+        that takes set-up (speculation at batch > 1 asks for it once). None when
+        it does; else why not, and it goes on checking one sequence per call."""
+        return "this runner checks one sequence per call"
+
     @abstractmethod
     def truncate(self, seq_id: int, n: int) -> None:
         """Keep only the first ``n`` tokens of ``seq_id``'s KV (drops the KV of

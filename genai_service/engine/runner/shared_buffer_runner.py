@@ -32,12 +32,14 @@ import mmap
 from collections.abc import Sequence
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 from ...config import RunnerConfig
 from ...model.model_dir import ModelSpec
 from ..kv.prefix_cache import KvLayers
 from .model_runner import ModelRunner, StepItem, make_session_options
+from .verify_graph import BIAS, POSITIONS, Unsupported, build_verify_graph, new_kv_names
 
 MIN_CAPACITY = 256  # positions of the narrowest layout
 
@@ -59,6 +61,11 @@ class SharedBufferRunner(ModelRunner):
         self.session = ort.InferenceSession(
             str(spec.onnx_path), make_session_options(config), providers=["CPUExecutionProvider"]
         )
+        self._config = config
+        # The graph's twin that checks several sequences' guesses in one call
+        # (GroupQueryAttention graphs, once ``batch_verify`` made it).
+        self._verifier: ort.InferenceSession | None = None
+        self._verifier_inputs: set[str] = set()
         kv = spec.kv
         self._dtype = np.dtype(kv.dtype)
         self._maps: list[mmap.mmap] = []
@@ -349,12 +356,14 @@ class SharedBufferRunner(ModelRunner):
         padded after its own tokens (whose logits are thus untouched: attention
         is causal) and rows of other sequences in the span fed dummy tokens past
         their KV; both land beyond each row's valid length, so the next step
-        overwrites them. One call per item instead for GroupQueryAttention
-        graphs (ORT's CPU kernel refuses several rows of several tokens over a
-        past: "batch_size must be 1 when sequence_length > 1 and past context
-        is given", onnxruntime 1.32) and when the padding would not fit inside
-        some row's buffer."""
-        if len(items) < 2 or self.spec.uses_gqa:
+        overwrites them. A GroupQueryAttention graph checks them on its twin
+        (``batch_verify``; ORT's CPU kernel refuses several rows of several
+        tokens over a past: "batch_size must be 1 when sequence_length > 1 and
+        past context is given", onnxruntime 1.32), which leaves the buffers
+        alone, and only the items' own tokens' KV is written back; without a
+        twin, and when the padding would not fit inside some row's buffer, one
+        call per item."""
+        if len(items) < 2 or (self.spec.uses_gqa and self._verifier is None):
             return [self.verify(item) for item in items]
         for item in items:
             self._admit(item)
@@ -370,13 +379,93 @@ class SharedBufferRunner(ModelRunner):
             m = len(item.token_ids)
             ids[slot - lo, :m] = item.token_ids
             ids[slot - lo, m:] = item.token_ids[-1]
-        out = self._run(lo, hi, ids, lens, n)  # [rows, n, vocab]
+        if self._verifier is not None:
+            out, new_kv = self._run_twin(lo, hi, ids, lens)
+            for slot, item in zip(slots, items, strict=True):
+                self._keep_new_kv(slot, item, new_kv, slot - lo)
+        else:
+            out = self._run(lo, hi, ids, lens, n)  # [rows, n, vocab]
         rows = []
         for slot, item in zip(slots, items, strict=True):
             m = len(item.token_ids)
             self._len[item.seq_id] = item.start + m
             rows.append(out[slot - lo, :m])
         return rows
+
+    def batch_verify(self) -> str | None:
+        """On a GroupQueryAttention graph, build its twin (``verify_graph``) and a
+        session of it on the same weights (read from the same files, held a
+        second time in memory); graphs with no such limit need nothing."""
+        if not self.spec.uses_gqa or self._verifier is not None:
+            return None
+        try:
+            model = onnx.load(str(self.spec.onnx_path), load_external_data=False)
+            twin = build_verify_graph(model, self.spec.past_names, self._dtype)
+        except Unsupported as exc:
+            return str(exc)
+        options = make_session_options(self._config)
+        options.add_session_config_entry(  # the weights' files, beside the graph's
+            "session.model_external_initializers_file_folder_path", str(self.spec.onnx_path.parent)
+        )
+        self._verifier = ort.InferenceSession(
+            twin.SerializeToString(), options, providers=["CPUExecutionProvider"]
+        )
+        self._verifier_inputs = {
+            i.name
+            for i in self._verifier.get_inputs() + self._verifier.get_overridable_initializers()
+        }
+        return None
+
+    def _run_twin(
+        self, lo: int, hi: int, ids: np.ndarray, lens: list[int]
+    ) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+        """The twin's call on buffer rows ``[lo, hi)`` (``ids`` [rows, n], each row
+        after its ``lens`` tokens of KV): every position's logits [rows, n,
+        vocab] and each layer's new keys and values [rows, kv_heads, n, head_dim]
+        (not yet in the buffers)."""
+        assert self._verifier is not None
+        rows, n = ids.shape
+        cap, kv = self.capacity, self.spec.kv
+        binding = self._verifier.io_binding()
+        binding.bind_cpu_input("input_ids", ids)
+        starts = np.asarray(lens, np.int64)[:, None]
+        if POSITIONS in self._verifier_inputs:
+            binding.bind_cpu_input(POSITIONS, starts + np.arange(n, dtype=np.int64))
+        # 0 where a row may attend: its own valid past, and its new tokens causally.
+        bias = np.empty((rows, 1, n, cap + n), self._dtype)
+        past = np.where(np.arange(cap) < starts, 0.0, -np.inf).astype(self._dtype)  # [rows, cap]
+        bias[:, 0, :, :cap] = past[:, None, :]
+        bias[:, 0, :, cap:] = np.triu(np.full((n, n), -np.inf, self._dtype), 1)
+        binding.bind_cpu_input(BIAS, bias)
+        if self.spec.num_logits_input in self._verifier_inputs:
+            keep = ort.OrtValue.ortvalue_from_numpy(np.array([n], np.int64))
+            binding.bind_ortvalue_input(self.spec.num_logits_input, keep)
+        views = self._ortvalues(lo, hi)
+        for layer, (pk, pv) in enumerate(self.spec.past_names):
+            binding.bind_ortvalue_input(pk, views[2 * layer])
+            binding.bind_ortvalue_input(pv, views[2 * layer + 1])
+        logits = np.empty((rows, n, self.spec.vocab_size), np.float32)
+        self._bind_logits(binding, logits)
+        new_kv = []
+        for layer in range(kv.num_layers):
+            pair = []
+            for name in new_kv_names(layer):
+                out = np.empty((rows, kv.num_kv_heads, n, kv.head_dim), self._dtype)
+                binding.bind_output(name, "cpu", 0, self._dtype, list(out.shape), out.ctypes.data)
+                pair.append(out)
+            new_kv.append((pair[0], pair[1]))
+        self._verifier.run_with_iobinding(binding)
+        return logits, new_kv
+
+    def _keep_new_kv(
+        self, slot: int, item: StepItem, new_kv: list[tuple[np.ndarray, np.ndarray]], row: int
+    ) -> None:
+        """Write ``item``'s tokens' keys and values (row ``row`` of the twin's
+        outputs) into its slot after its KV, as GroupQueryAttention would have."""
+        m = len(item.token_ids)
+        for (nk, nv), k, v in zip(new_kv, self.k_buffers, self.v_buffers, strict=True):
+            self._write(k, slot, item.start, nk[row, :, :m])
+            self._write(v, slot, item.start, nv[row, :, :m])
 
     def truncate(self, seq_id: int, n: int) -> None:
         held = self.kv_len(seq_id)

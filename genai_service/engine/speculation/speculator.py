@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
+import structlog
 
 from ...config import SpeculationConfig
 from ...contract.request import RequestOutput, TokenLogprob, merge_outputs
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from ..runner.model_runner import ModelRunner
 
 T = TypeVar("T")
+log = structlog.get_logger(__name__)
 
 
 def follow_draft(
@@ -88,6 +90,15 @@ class Speculation:
         self.proposers: list[Proposer] = [p for p in (self.lookup, self.draft) if p is not None]
         self.runner = runner
         self.counters = counters
+        if self.max_batch > 1:
+            # Several sequences' checks (and the draft's catch-up) in one call each.
+            runners = [("target", runner)]
+            if self.draft is not None:
+                runners.append(("draft", self.draft.runner))
+            for name, each in runners:
+                why = each.batch_verify()
+                if why is not None:
+                    log.info("speculation_checks_one_sequence_per_call", model=name, reason=why)
 
     def drafts(self, items: Sequence[tuple[Seq, int]], context_length: int) -> dict[int, Draft]:
         """seq_id -> draft for the sequences of a step: only steps that decode
