@@ -209,42 +209,55 @@ def test_the_layout_is_never_narrower_than_the_widest_sliding_window(
     assert runner.capacity == 32  # 2's 3 tokens would fit 8: the window's floor holds
 
 
-def twin_matches_one_call_per_item(model_dir: Path, atol: float = 1e-4) -> str | None:
-    """Several sequences' guesses checked on the graph's twin (``batch_verify``)
-    against one GroupQueryAttention call per sequence: the same logits up to
-    float rounding, the same KV afterwards (the items' own tokens written
-    back, a row between them untouched), and the same next step from it.
-    None, or why the graph has no twin."""
+def twin_matches_one_call_per_item(
+    model_dir: Path, atol: float = 1e-4, grow_to: int = 0
+) -> str | None:
+    """Several sequences' guesses checked on the graph's twin
+    (``prepare_verify_batch``) against one GroupQueryAttention call per
+    sequence: the same logits up to float rounding, the same KV afterwards (the
+    items' own tokens written back, a row between them untouched), and the same
+    next step from it; with ``grow_to``, again after one sequence has grown to
+    that many tokens (a wider buffer layout than the first check's). None, or
+    why the graph has no twin."""
     spec = load_model_spec(model_dir)
-    per_item = SharedBufferRunner(spec, RunnerConfig(), max_slots=3, max_len=64)
-    twin = SharedBufferRunner(spec, RunnerConfig(), max_slots=3, max_len=64)
-    why = twin.batch_verify()
+    max_len = max(64, 2 * grow_to)
+    per_item = SharedBufferRunner(spec, RunnerConfig(), max_slots=3, max_len=max_len)
+    twin = SharedBufferRunner(spec, RunnerConfig(), max_slots=3, max_len=max_len)
+    why = twin.prepare_verify_batch()
     if why is not None:
         return why
-    ids = np.random.default_rng(0).integers(1, min(spec.vocab_size, 1000), 30).tolist()
+    ids = np.random.default_rng(0).integers(1, min(spec.vocab_size, 1000), 30 + grow_to)
+    ids = ids.tolist()
     prompts = {1: ids[:6], 2: ids[6:8], 3: ids[8:17]}
     for runner in (per_item, twin):
         for seq, prompt in prompts.items():
             runner.run([StepItem(seq, prompt, 0)])
-    # Sequences 1 and 3 check guesses of different lengths; 2, between them, rides along.
-    items = [StepItem(1, ids[17:20], len(prompts[1])), StepItem(3, ids[20:21], len(prompts[3]))]
-    want = [per_item.verify(item) for item in items]
-    got = twin.verify_batch(items)
-    for w, g in zip(want, got, strict=True):
-        assert g.shape == w.shape
-        np.testing.assert_allclose(g, w, atol=atol)
-        assert (g.argmax(axis=-1) == w.argmax(axis=-1)).all()
-    for seq in prompts:
-        held = per_item.kv_len(seq)
-        assert twin.kv_len(seq) == held
-        for (k, v), (k2, v2) in zip(
-            per_item.read_kv(seq, 0, held), twin.read_kv(seq, 0, held), strict=True
-        ):
-            np.testing.assert_allclose(k2, k, atol=atol)
-            np.testing.assert_allclose(v2, v, atol=atol)
-    # The next step reads the KV the twin wrote back.
-    step = [StepItem(seq, [5], per_item.kv_len(seq)) for seq in prompts]
-    np.testing.assert_allclose(twin.run(step), per_item.run(step), atol=atol)
+    rounds = [ids[17:21]] + ([ids[30 : 30 + grow_to]] if grow_to else [])
+    for grown in rounds:
+        # Sequences 1 and 3 check guesses of different lengths; 2, between them, rides along.
+        items = [
+            StepItem(1, ids[17:20], per_item.kv_len(1)),
+            StepItem(3, ids[20:21], per_item.kv_len(3)),
+        ]
+        want = [per_item.verify(item) for item in items]
+        got = twin.verify_batch(items)
+        for w, g in zip(want, got, strict=True):
+            assert g.shape == w.shape
+            np.testing.assert_allclose(g, w, atol=atol)
+            assert (g.argmax(axis=-1) == w.argmax(axis=-1)).all()
+        for seq in prompts:
+            held = per_item.kv_len(seq)
+            assert twin.kv_len(seq) == held
+            for (k, v), (k2, v2) in zip(
+                per_item.read_kv(seq, 0, held), twin.read_kv(seq, 0, held), strict=True
+            ):
+                np.testing.assert_allclose(k2, k, atol=atol)
+                np.testing.assert_allclose(v2, v, atol=atol)
+        # The next step reads the KV the twin wrote back (and sequence 2 grows).
+        step = [StepItem(seq, [5] if seq != 2 else grown, per_item.kv_len(seq)) for seq in prompts]
+        np.testing.assert_allclose(twin.run(step), per_item.run(step), atol=atol)
+    if grow_to:
+        assert twin.relayouts > 0  # the second check ran on a wider layout
     return None
 
 
@@ -253,6 +266,51 @@ def test_several_sequences_are_checked_in_one_call_on_the_graphs_twin(
 ) -> None:
     assert twin_matches_one_call_per_item(tiny_models["gqa"]) is None  # rotary in the node
     assert twin_matches_one_call_per_item(tiny_models["gqa-learned"]) is None  # position_ids
+
+
+def test_the_twin_follows_the_buffer_layout_as_it_widens(bytes_models: dict[str, Path]) -> None:
+    assert twin_matches_one_call_per_item(bytes_models["gqa"], grow_to=300) is None
+
+
+def test_a_twin_that_fails_leaves_one_call_per_sequence(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A twin failing at run time (it writes nothing) hands the same items to
+    one call each and is dropped; one failing to build is reported, not raised."""
+    from genai_service.engine.runner import shared_buffer_runner
+
+    spec = load_model_spec(tiny_models["gqa"])
+    runner = SharedBufferRunner(spec, RunnerConfig(), max_slots=2, max_len=32)
+    assert runner.prepare_verify_batch() is None
+    for seq in (1, 2):
+        runner.run([StepItem(seq, encode_words("the cat sat"), 0)])
+    reference = SharedBufferRunner(spec, RunnerConfig(), max_slots=2, max_len=32)
+    for seq in (1, 2):
+        reference.run([StepItem(seq, encode_words("the cat sat"), 0)])
+    items = [StepItem(1, encode_words("on the"), 3), StepItem(2, encode_words("mat"), 3)]
+
+    tries = []
+
+    def broken(*args: object) -> None:
+        tries.append(args)
+        raise RuntimeError("ORT said no")
+
+    monkeypatch.setattr(runner, "_run_twin", broken)
+    got = runner.verify_batch(items)
+    for g, w in zip(got, [reference.verify(item) for item in items], strict=True):
+        np.testing.assert_array_equal(g, w)
+    assert runner.kv_len(1) == 5 and runner.kv_len(2) == 4
+    for seq in (1, 2):
+        runner.truncate(seq, 3)
+    runner.verify_batch(items)
+    assert len(tries) == 1  # dropped after its failure
+
+    def failing(*args: object) -> None:
+        raise RuntimeError("a kernel is missing")
+
+    monkeypatch.setattr(shared_buffer_runner, "build_verify_graph", failing)
+    fresh = SharedBufferRunner(spec, RunnerConfig(), max_slots=2, max_len=32)
+    assert fresh.prepare_verify_batch() == "the graph's twin failed to build: a kernel is missing"
 
 
 def test_a_runner_without_a_twin_checks_one_sequence_per_call(
@@ -265,10 +323,10 @@ def test_a_runner_without_a_twin_checks_one_sequence_per_call(
     calls = []
     monkeypatch.setattr(runner, "verify", lambda item: calls.append(item) or np.zeros((1, 1)))
     runner.verify_batch([StepItem(1, [1, 2], 0), StepItem(2, [3], 0)])
-    assert len(calls) == 2  # no batch_verify yet
+    assert len(calls) == 2  # no prepare_verify_batch yet
 
     def refuse(*args: object) -> None:
         raise shared_buffer_runner.Unsupported("a sliding window (local_window_size)")
 
     monkeypatch.setattr(shared_buffer_runner, "build_verify_graph", refuse)
-    assert runner.batch_verify() == "a sliding window (local_window_size)"
+    assert runner.prepare_verify_batch() == "a sliding window (local_window_size)"

@@ -89,7 +89,7 @@ class ModelRunner(ABC):
         sequences in one ORT call override this."""
         return [self.verify(item) for item in items]
 
-    def batch_verify(self) -> str | None:
+    def prepare_verify_batch(self) -> str | None:
         """Make ``verify_batch`` check several sequences in one ORT call where
         that takes set-up (speculation at batch > 1 asks for it once). None when
         it does; else why not, and it goes on checking one sequence per call."""

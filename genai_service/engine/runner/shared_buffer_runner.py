@@ -34,12 +34,22 @@ from collections.abc import Sequence
 import numpy as np
 import onnx
 import onnxruntime as ort
+import structlog
 
 from ...config import RunnerConfig
 from ...model.model_dir import ModelSpec
 from ..kv.prefix_cache import KvLayers
 from .model_runner import ModelRunner, StepItem, make_session_options
-from .verify_graph import BIAS, POSITIONS, Unsupported, build_verify_graph, new_kv_names
+from .verify_graph import (
+    BIAS,
+    NEW_POSITIONS,
+    POSITIONS,
+    Unsupported,
+    build_verify_graph,
+    new_kv_names,
+)
+
+log = structlog.get_logger(__name__)
 
 MIN_CAPACITY = 256  # positions of the narrowest layout
 
@@ -63,7 +73,7 @@ class SharedBufferRunner(ModelRunner):
         )
         self._config = config
         # The graph's twin that checks several sequences' guesses in one call
-        # (GroupQueryAttention graphs, once ``batch_verify`` made it).
+        # (GroupQueryAttention graphs, once ``prepare_verify_batch`` made it).
         self._verifier: ort.InferenceSession | None = None
         self._verifier_inputs: set[str] = set()
         kv = spec.kv
@@ -357,7 +367,7 @@ class SharedBufferRunner(ModelRunner):
         is causal) and rows of other sequences in the span fed dummy tokens past
         their KV; both land beyond each row's valid length, so the next step
         overwrites them. A GroupQueryAttention graph checks them on its twin
-        (``batch_verify``; ORT's CPU kernel refuses several rows of several
+        (``prepare_verify_batch``; ORT's CPU kernel refuses several rows of several
         tokens over a past: "batch_size must be 1 when sequence_length > 1 and
         past context is given", onnxruntime 1.32), which leaves the buffers
         alone, and only the items' own tokens' KV is written back; without a
@@ -380,7 +390,12 @@ class SharedBufferRunner(ModelRunner):
             ids[slot - lo, :m] = item.token_ids
             ids[slot - lo, m:] = item.token_ids[-1]
         if self._verifier is not None:
-            out, new_kv = self._run_twin(lo, hi, ids, lens)
+            try:
+                out, new_kv = self._run_twin(lo, hi, ids, lens)
+            except Exception:  # it wrote nothing: the items go one call each, now and on
+                log.exception("verify_twin_failed", model=str(self.spec.path))
+                self._verifier = None
+                return [self.verify(item) for item in items]
             for slot, item in zip(slots, items, strict=True):
                 self._keep_new_kv(slot, item, new_kv, slot - lo)
         else:
@@ -392,24 +407,31 @@ class SharedBufferRunner(ModelRunner):
             rows.append(out[slot - lo, :m])
         return rows
 
-    def batch_verify(self) -> str | None:
+    def prepare_verify_batch(self) -> str | None:
         """On a GroupQueryAttention graph, build its twin (``verify_graph``) and a
         session of it on the same weights (read from the same files, held a
-        second time in memory); graphs with no such limit need nothing."""
+        second time in memory); graphs with no such limit need nothing. A twin
+        that cannot be built leaves one call per sequence (the reason returned)."""
         if not self.spec.uses_gqa or self._verifier is not None:
             return None
         try:
             model = onnx.load(str(self.spec.onnx_path), load_external_data=False)
-            twin = build_verify_graph(model, self.spec.past_names, self._dtype)
+            twin = build_verify_graph(
+                model, self.spec.past_names, self._dtype, self.spec.kv.head_dim
+            )
+            options = make_session_options(self._config)
+            options.add_session_config_entry(  # the weights' files, beside the graph's
+                "session.model_external_initializers_file_folder_path",
+                str(self.spec.onnx_path.parent),
+            )
+            self._verifier = ort.InferenceSession(
+                twin.SerializeToString(), options, providers=["CPUExecutionProvider"]
+            )
         except Unsupported as exc:
             return str(exc)
-        options = make_session_options(self._config)
-        options.add_session_config_entry(  # the weights' files, beside the graph's
-            "session.model_external_initializers_file_folder_path", str(self.spec.onnx_path.parent)
-        )
-        self._verifier = ort.InferenceSession(
-            twin.SerializeToString(), options, providers=["CPUExecutionProvider"]
-        )
+        except Exception as exc:  # an ORT or ONNX error: a speed-up lost, not the engine
+            log.exception("verify_twin_failed", model=str(self.spec.path))
+            return f"the graph's twin failed to build: {exc}"
         self._verifier_inputs = {
             i.name
             for i in self._verifier.get_inputs() + self._verifier.get_overridable_initializers()
@@ -429,8 +451,9 @@ class SharedBufferRunner(ModelRunner):
         binding = self._verifier.io_binding()
         binding.bind_cpu_input("input_ids", ids)
         starts = np.asarray(lens, np.int64)[:, None]
-        if POSITIONS in self._verifier_inputs:
-            binding.bind_cpu_input(POSITIONS, starts + np.arange(n, dtype=np.int64))
+        for name in (POSITIONS, NEW_POSITIONS):
+            if name in self._verifier_inputs:
+                binding.bind_cpu_input(name, starts + np.arange(n, dtype=np.int64))
         # 0 where a row may attend: its own valid past, and its new tokens causally.
         bias = np.empty((rows, 1, n, cap + n), self._dtype)
         past = np.where(np.arange(cap) < starts, 0.0, -np.inf).astype(self._dtype)  # [rows, cap]

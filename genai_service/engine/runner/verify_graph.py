@@ -9,7 +9,7 @@ runner loads (same weights, read from the same files), with each
 GroupQueryAttention node replaced by the attention it computes, written in
 plain and contrib ops that take any batch:
 
-- the new tokens' queries and keys rotated at ``position_ids`` (``RotaryEmbedding``,
+- the new tokens' queries and keys rotated at their positions (``RotaryEmbedding``,
   the node's own cos/sin tables and interleaving), when the node rotates;
 - scores against the whole past buffer (``FusedMatMul`` with the keys
   transposed in place, no copy) and against the new keys, joined, plus
@@ -39,9 +39,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from ...model.model_dir import POSITION_IDS
+
 MS_DOMAIN = "com.microsoft"
 BIAS = "verify.attention_bias"
-POSITIONS = "position_ids"
+POSITIONS = POSITION_IDS  # a graph's own position_ids input, when it has one
+NEW_POSITIONS = "verify.position_ids"  # else the twin's
+# GroupQueryAttention's inputs the twin reads, by position.
+PAST_KEY, PAST_VALUE, COS_CACHE, SIN_CACHE = 3, 4, 7, 8
 
 
 def new_kv_names(layer: int) -> tuple[str, str]:
@@ -54,19 +59,26 @@ class Unsupported(ValueError):
 
 
 def build_verify_graph(
-    model: onnx.ModelProto, past_names: Sequence[tuple[str, str]], kv_dtype: np.dtype
+    model: onnx.ModelProto,
+    past_names: Sequence[tuple[str, str]],
+    kv_dtype: np.dtype,
+    head_dim: int,
 ) -> onnx.ModelProto:
     """The twin of ``model`` (a GroupQueryAttention decoder whose layers read
-    ``past_names``); raises ``Unsupported`` when some node computes an attention
-    the twin does not."""
+    ``past_names``, KV of ``kv_dtype`` with heads of ``head_dim``); raises
+    ``Unsupported`` when some node computes an attention the twin does not, or
+    the graph is built in a way the twin's surgery does not follow."""
     graph = model.graph
+    _check_plain(model)
     layer_of = {k: i for i, (k, _) in enumerate(past_names)}
     inits = {t.name: t for t in graph.initializer}
     dtype = helper.np_dtype_to_tensor_dtype(np.dtype(kv_dtype))
     consts: list[onnx.TensorProto] = []
     nodes: list[onnx.NodeProto] = []
     outputs: list[onnx.ValueInfoProto] = []
-    has_positions = any(i.name == POSITIONS for i in graph.input)
+    # The new tokens' positions: the graph's own position_ids input, else one of ours.
+    positions = POSITIONS if any(i.name == POSITIONS for i in graph.input) else NEW_POSITIONS
+    read = {i for n in graph.node for i in n.input}
 
     def const(name: str, values: list[int]) -> str:
         consts.append(helper.make_tensor(name, TensorProto.INT64, [len(values)], values))
@@ -80,7 +92,7 @@ def build_verify_graph(
     add("Shape", [next(iter(layer_of))], "verify/capacity", start=2, end=3)
     add("Shape", ["input_ids"], "verify/new_tokens", start=1, end=2)
     add("Concat", ["verify/capacity", "verify/new_tokens"], "verify/past_new", axis=0)
-    replaced = 0
+    replaced: set[int] = set()
     biases: dict[int, str] = {}  # query heads per KV head -> the bias tiled to its rows
     for node in graph.node:
         if not (node.op_type == "GroupQueryAttention" and node.domain == MS_DOMAIN):
@@ -92,18 +104,18 @@ def build_verify_graph(
             raise Unsupported(f"{name}: a sliding window (local_window_size)")
         if a.get("softcap", 0.0):
             raise Unsupported(f"{name}: soft-capped scores (softcap)")
-        if a.get("smooth_softmax", 0) or any(node.input[9:]):
+        if a.get("smooth_softmax", 0) or any(node.input[9:]) or len(node.input) < 5:
             raise Unsupported(f"{name}: inputs or options past the past, lengths and rotary")
-        layer = layer_of.get(node.input[3])
-        if layer is None:
-            raise Unsupported(f"{name}: its past input {node.input[3]!r} is not a layer's past")
+        if any(o in read for o in node.output[1:] if o):
+            raise Unsupported(f"{name}: its present keys or values feed other nodes")
+        layer = layer_of.get(node.input[PAST_KEY])
+        if layer is None or layer in replaced or node.input[PAST_VALUE] != past_names[layer][1]:
+            raise Unsupported(f"{name}: its past inputs are not one layer's own")
+        replaced.add(layer)
         heads, kv_heads = int(a["num_heads"]), int(a["kv_num_heads"])
         group = heads // kv_heads
         p = f"verify/{layer}"
-        past_k, past_v = node.input[3], node.input[4]
-        head_dim = _head_dim(graph, past_k)
-        if not head_dim:
-            raise Unsupported(f"{name}: the past {past_k!r} does not declare its head size")
+        past_k, past_v = node.input[PAST_KEY], node.input[PAST_VALUE]
         if node.input[1]:  # separate query, key, value
             q, k, v = node.input[0], node.input[1], node.input[2]
         else:  # packed [q | k | v]
@@ -115,14 +127,16 @@ def build_verify_graph(
                 )
             )
         if a.get("do_rotary", 0):
-            cos, sin = node.input[7], node.input[8]
+            if len(node.input) <= SIN_CACHE:
+                raise Unsupported(f"{name}: rotary without its cos/sin tables")
+            cos, sin = node.input[COS_CACHE], node.input[SIN_CACHE]
             table = inits.get(cos)
             if table is None or len(table.dims) != 2 or 2 * table.dims[1] != head_dim:
                 raise Unsupported(f"{name}: rotary over part of the head (or no cos table)")
             interleaved = int(a.get("rotary_interleaved", 0))
             q = add(
                 "RotaryEmbedding",
-                [q, POSITIONS, cos, sin],
+                [q, positions, cos, sin],
                 f"{p}/q_rot",
                 MS_DOMAIN,
                 interleaved=interleaved,
@@ -130,7 +144,7 @@ def build_verify_graph(
             )
             k = add(
                 "RotaryEmbedding",
-                [k, POSITIONS, cos, sin],
+                [k, positions, cos, sin],
                 f"{p}/k_rot",
                 MS_DOMAIN,
                 interleaved=interleaved,
@@ -181,10 +195,9 @@ def build_verify_graph(
         )
         out = add("Transpose", [out], f"{p}/ot", perm=[0, 3, 1, 2, 4])
         add("Reshape", [out, const(f"{p}/o3", [0, 0, heads * head_dim])], node.output[0])
-        outputs += [helper.make_tensor_value_info(n_, dtype, None) for n_ in (new_k, new_v)]
-        replaced += 1
-    if not replaced:
-        raise Unsupported("no GroupQueryAttention node")
+        outputs += [helper.make_tensor_value_info(kv, dtype, None) for kv in (new_k, new_v)]
+    if replaced != set(range(len(past_names))):
+        raise Unsupported("not every layer's past is read by one GroupQueryAttention node")
     # Logits of several tokens per row: no declared [batch, 1, vocab] (ORT would
     # refuse the caller's array of [rows, new, vocab] bound to it).
     logits = next(o for o in graph.output if o.name == "logits")
@@ -199,9 +212,9 @@ def build_verify_graph(
     extra = [i.name for i in inputs if i.name not in known and i.name not in inits]
     if extra:
         raise Unsupported(f"the graph's other inputs {extra} feed more than the attention")
-    if not has_positions and POSITIONS in used:
+    if positions == NEW_POSITIONS and NEW_POSITIONS in used:
         inputs.append(
-            helper.make_tensor_value_info(POSITIONS, TensorProto.INT64, ["batch_size", "new"])
+            helper.make_tensor_value_info(NEW_POSITIONS, TensorProto.INT64, ["batch_size", "new"])
         )
     inputs.append(helper.make_tensor_value_info(BIAS, dtype, ["batch_size", 1, "new", "all"]))
     initializers = [t for t in graph.initializer if t.name in used] + consts
@@ -214,13 +227,21 @@ def build_verify_graph(
     return out_model
 
 
-def _head_dim(graph: onnx.GraphProto, name: str) -> int:
-    """The last dimension a graph input declares, 0 if it declares none."""
-    for i in graph.input:
-        if i.name == name:
-            dims = i.type.tensor_type.shape.dim
-            return int(dims[-1].dim_value) if dims and dims[-1].dim_value else 0
-    return 0
+def _check_plain(model: onnx.ModelProto) -> None:
+    """What the surgery relies on: one flat graph (no subgraphs, whose outer
+    names it would not follow; no model-local functions) at opset 15 or later
+    (``Shape`` with start/end)."""
+    if model.functions:
+        raise Unsupported("model-local functions")
+    if any(
+        a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+        for n in model.graph.node
+        for a in n.attribute
+    ):
+        raise Unsupported("nodes with subgraphs")
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if opset < 15:
+        raise Unsupported(f"opset {opset} (the twin needs 15 or later)")
 
 
 def _live(nodes: list[onnx.NodeProto], wanted: set[str]) -> list[onnx.NodeProto]:

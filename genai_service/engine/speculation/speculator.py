@@ -96,7 +96,7 @@ class Speculation:
             if self.draft is not None:
                 runners.append(("draft", self.draft.runner))
             for name, each in runners:
-                why = each.batch_verify()
+                why = each.prepare_verify_batch()
                 if why is not None:
                     log.info("speculation_checks_one_sequence_per_call", model=name, reason=why)
 
