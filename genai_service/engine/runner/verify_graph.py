@@ -134,21 +134,16 @@ def build_verify_graph(
             if table is None or len(table.dims) != 2 or 2 * table.dims[1] != head_dim:
                 raise Unsupported(f"{name}: rotary over part of the head (or no cos table)")
             interleaved = int(a.get("rotary_interleaved", 0))
-            q = add(
-                "RotaryEmbedding",
-                [q, positions, cos, sin],
-                f"{p}/q_rot",
-                MS_DOMAIN,
-                interleaved=interleaved,
-                num_heads=heads,
-            )
-            k = add(
-                "RotaryEmbedding",
-                [k, positions, cos, sin],
-                f"{p}/k_rot",
-                MS_DOMAIN,
-                interleaved=interleaved,
-                num_heads=kv_heads,
+            q, k = (
+                add(
+                    "RotaryEmbedding",
+                    [x, positions, cos, sin],
+                    f"{p}/{tag}_rot",
+                    MS_DOMAIN,
+                    interleaved=interleaved,
+                    num_heads=n_heads,
+                )
+                for x, n_heads, tag in ((q, heads, "q"), (k, kv_heads, "k"))
             )
         scale = float(a.get("scale", 0.0)) or 1.0 / float(np.sqrt(head_dim))
         new_k, new_v = new_kv_names(layer)
