@@ -210,7 +210,7 @@ def test_the_layout_is_never_narrower_than_the_widest_sliding_window(
 
 
 def twin_matches_one_call_per_item(
-    model_dir: Path, atol: float = 1e-4, grow_to: int = 0
+    model_dir: Path, atol: float = 1e-4, grow_to: int = 0, lengths: tuple[int, int, int] = (6, 2, 9)
 ) -> str | None:
     """Several sequences' guesses checked on the graph's twin
     (``prepare_verify_batch``) against one GroupQueryAttention call per
@@ -226,18 +226,21 @@ def twin_matches_one_call_per_item(
     why = twin.prepare_verify_batch()
     if why is not None:
         return why
-    ids = np.random.default_rng(0).integers(1, min(spec.vocab_size, 1000), 30 + grow_to)
+    a, b, c = lengths
+    ids = np.random.default_rng(0).integers(1, min(spec.vocab_size, 1000), a + b + c + 13 + grow_to)
     ids = ids.tolist()
-    prompts = {1: ids[:6], 2: ids[6:8], 3: ids[8:17]}
+    prompts = {1: ids[:a], 2: ids[a : a + b], 3: ids[a + b : a + b + c]}
+    guesses = ids[a + b + c : a + b + c + 4]
+    more = ids[a + b + c + 13 :]
     for runner in (per_item, twin):
         for seq, prompt in prompts.items():
             runner.run([StepItem(seq, prompt, 0)])
-    rounds = [ids[17:21]] + ([ids[30 : 30 + grow_to]] if grow_to else [])
+    rounds = [guesses] + ([more] if grow_to else [])
     for grown in rounds:
         # Sequences 1 and 3 check guesses of different lengths; 2, between them, rides along.
         items = [
-            StepItem(1, ids[17:20], per_item.kv_len(1)),
-            StepItem(3, ids[20:21], per_item.kv_len(3)),
+            StepItem(1, guesses[:3], per_item.kv_len(1)),
+            StepItem(3, guesses[3:], per_item.kv_len(3)),
         ]
         want = [per_item.verify(item) for item in items]
         got = twin.verify_batch(items)

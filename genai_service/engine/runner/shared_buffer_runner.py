@@ -47,6 +47,7 @@ from .verify_graph import (
     Unsupported,
     build_verify_graph,
     new_kv_names,
+    window_bias,
 )
 
 log = structlog.get_logger(__name__)
@@ -76,6 +77,7 @@ class SharedBufferRunner(ModelRunner):
         # (GroupQueryAttention graphs, once ``prepare_verify_batch`` made it).
         self._verifier: ort.InferenceSession | None = None
         self._verifier_inputs: set[str] = set()
+        self._window_biases: list[tuple[int, str]] = []  # (window, its bias input)
         kv = spec.kv
         self._dtype = np.dtype(kv.dtype)
         self._maps: list[mmap.mmap] = []
@@ -436,6 +438,11 @@ class SharedBufferRunner(ModelRunner):
             i.name
             for i in self._verifier.get_inputs() + self._verifier.get_overridable_initializers()
         }
+        self._window_biases = [
+            (window, window_bias(window))
+            for window in sorted(set(self.spec.attention_windows))
+            if window > 0 and window_bias(window) in self._verifier_inputs
+        ]
         return None
 
     def _run_twin(
@@ -459,7 +466,16 @@ class SharedBufferRunner(ModelRunner):
         past = np.where(np.arange(cap) < starts, 0.0, -np.inf).astype(self._dtype)  # [rows, cap]
         bias[:, 0, :, :cap] = past[:, None, :]
         bias[:, 0, :, cap:] = np.triu(np.full((n, n), -np.inf, self._dtype), 1)
-        binding.bind_cpu_input(BIAS, bias)
+        if BIAS in self._verifier_inputs:
+            binding.bind_cpu_input(BIAS, bias)
+        # Sliding-window layers also hide what lies ``window`` or more positions back.
+        at = starts + np.arange(n)  # [rows, n]: each new token's position
+        cols = np.concatenate([np.broadcast_to(np.arange(cap), (rows, cap)), at], axis=1)
+        for window, name in self._window_biases:
+            too_old = cols[:, None, :] <= at[:, :, None] - window  # [rows, n, cap + n]
+            binding.bind_cpu_input(
+                name, np.where(too_old[:, None], -np.inf, bias).astype(self._dtype)
+            )
         if self.spec.num_logits_input in self._verifier_inputs:
             keep = ort.OrtValue.ortvalue_from_numpy(np.array([n], np.int64))
             binding.bind_ortvalue_input(self.spec.num_logits_input, keep)

@@ -14,20 +14,22 @@ plain and contrib ops that take any batch:
 - scores against the whole past buffer (``FusedMatMul`` with the keys
   transposed in place, no copy) and against the new keys, joined, plus
   ``verify.attention_bias`` ``[rows, 1, new, capacity + new]`` (0 where a
-  row may attend: its valid past, and causally its new tokens; -inf elsewhere),
-  a softmax, and the two products with the values;
+  row may attend: its valid past, and causally its new tokens; -inf
+  elsewhere), or for a sliding-window layer its window's bias
+  (``window_bias``: the same, less what lies ``local_window_size`` or more
+  positions back), a softmax, and the two products with the values;
 - the new tokens' keys (rotated) and values as outputs
   (``verify.new.{i}.key``/``.value``, ``[rows, kv_heads, new, head_dim]``),
   which the runner writes into its buffers after the call: the past buffers
   are inputs only.
 
-Built only where that is the same attention: no sliding window
-(``local_window_size``), no soft-capping, rotary over the whole head, none of
-the newer optional inputs (position ids, bias, sinks); ``build_verify_graph``
-says why not otherwise, and the runner checks one sequence per call as before.
-The twin's logits differ from GroupQueryAttention's by float rounding only
-(~3e-5 on the default model's fp32 logits), as a several-token check already
-does from a one-token step.
+Built only where that is the same attention: no soft-capping, rotary over
+the whole head, none of the newer optional inputs (position ids, bias,
+sinks); ``build_verify_graph`` says why not otherwise, and the runner checks
+one sequence per call as before. The twin's logits differ from
+GroupQueryAttention's by float rounding only (~3e-5 on the default model's
+fp32 logits, ~1e-4 on Gemma 3's past its 512-token window), as a
+several-token check already does from a one-token step.
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ POSITIONS = POSITION_IDS  # a graph's own position_ids input, when it has one
 NEW_POSITIONS = "verify.position_ids"  # else the twin's
 # GroupQueryAttention's inputs the twin reads, by position.
 PAST_KEY, PAST_VALUE, COS_CACHE, SIN_CACHE = 3, 4, 7, 8
+
+
+def window_bias(window: int) -> str:
+    """The bias input of the layers that attend to the last ``window`` positions
+    (GroupQueryAttention's ``local_window_size``)."""
+    return f"{BIAS}.window.{window}"
 
 
 def new_kv_names(layer: int) -> tuple[str, str]:
@@ -93,15 +101,18 @@ def build_verify_graph(
     add("Shape", ["input_ids"], "verify/new_tokens", start=1, end=2)
     add("Concat", ["verify/capacity", "verify/new_tokens"], "verify/past_new", axis=0)
     replaced: set[int] = set()
-    biases: dict[int, str] = {}  # query heads per KV head -> the bias tiled to its rows
+    # (query heads per KV head, bias input) -> the bias tiled to its rows
+    biases: dict[tuple[int, str], str] = {}
+    windows: set[int] = set()  # -1: no window
     for node in graph.node:
         if not (node.op_type == "GroupQueryAttention" and node.domain == MS_DOMAIN):
             nodes.append(node)
             continue
         a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
         name = node.name or node.output[0]
-        if a.get("local_window_size", -1) not in (-1, 0):
-            raise Unsupported(f"{name}: a sliding window (local_window_size)")
+        window = int(a.get("local_window_size", -1))
+        if window == 0:
+            raise Unsupported(f"{name}: a zero-length sliding window")
         if a.get("softcap", 0.0):
             raise Unsupported(f"{name}: soft-capped scores (softcap)")
         if a.get("smooth_softmax", 0) or any(node.input[9:]) or len(node.input) < 5:
@@ -165,11 +176,17 @@ def build_verify_graph(
             f"{p}/scores",
             axis=-1,
         )  # [B, KV, G*S, T]
-        if group not in biases:  # the bias of each query row: rows are (group, token)
+        layer_bias = window_bias(window) if window > 0 else BIAS
+        if (group, layer_bias) not in biases:  # each query row's: rows are (group, token)
             reps = const(f"verify/bias_reps_{group}", [1, 1, group, 1])
-            biases[group] = add("Tile", [BIAS, reps], f"verify/bias_{group}")
-        probs = add("Softmax", [add("Add", [scores, biases[group]], f"{p}/biased")],
-                    f"{p}/probs", axis=-1)  # fmt: skip
+            biases[group, layer_bias] = add("Tile", [layer_bias, reps], f"{layer_bias}/x{group}")
+            windows.add(window)
+        probs = add(
+            "Softmax",
+            [add("Add", [scores, biases[group, layer_bias]], f"{p}/biased")],
+            f"{p}/probs",
+            axis=-1,
+        )
         p_past, p_new = f"{p}/p_past", f"{p}/p_new"
         nodes.append(
             helper.make_node(
@@ -211,7 +228,9 @@ def build_verify_graph(
         inputs.append(
             helper.make_tensor_value_info(NEW_POSITIONS, TensorProto.INT64, ["batch_size", "new"])
         )
-    inputs.append(helper.make_tensor_value_info(BIAS, dtype, ["batch_size", 1, "new", "all"]))
+    for window in sorted(windows):
+        name = window_bias(window) if window > 0 else BIAS
+        inputs.append(helper.make_tensor_value_info(name, dtype, ["batch_size", 1, "new", "all"]))
     initializers = [t for t in graph.initializer if t.name in used] + consts
     twin = helper.make_graph(nodes, f"{graph.name}-verify", inputs, kept_outputs, initializers)
     out_model = helper.make_model(
