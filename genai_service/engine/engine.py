@@ -642,12 +642,19 @@ class LLMEngine(InProcessDriver):
         try:
             checked = [(seq, drafts[seq.seq_id]) for seq, _ in batch.items if seq.seq_id in drafts]
             # The last token and the draft, in one step: [len(draft) + 1, vocab] logits each.
-            rows = self.runner.verify_batch(
-                [_step_item(seq, (seq.token_ids[-1], *d.tokens)) for seq, d in checked]
-            )
-            verified = [(seq, d, r) for (seq, d), r in zip(checked, rows, strict=True)]
+            checks = [_step_item(seq, (seq.token_ids[-1], *d.tokens)) for seq, d in checked]
+            # A speculating step's other sequences (one-token decodes: ``drafts``
+            # drafts only such steps) ride in the same call where the runner
+            # checks several sequences in one: one ORT call, not two.
+            ride = bool(checks) and bool(items) and not wide and self.runner.checks_in_one_call
+            rows = self.runner.verify_batch(checks + items if ride else checks)
+            verified = [
+                (seq, d, r) for (seq, d), r in zip(checked, rows[: len(checks)], strict=True)
+            ]
             logits: np.ndarray | None = None
-            if wide:
+            if ride:
+                logits = np.stack([r[-1] for r in rows[len(checks) :]])
+            elif wide:
                 logits = self._run_wide(plain, items, wide)
             elif items:
                 logits = self.runner.run(items)

@@ -547,3 +547,28 @@ def test_a_sequence_with_ids_past_the_drafts_vocabulary_gets_no_guesses(
     assert got.token_ids == plain.token_ids
     assert engine.counters["spec_draft_tokens"] == 0
     assert draft.runner.active == 0  # never fed
+
+
+def test_a_speculating_steps_other_decodes_ride_in_its_check_call(
+    tiny_models: dict[str, Path], drafts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With several sequences' checks in one call (the GQA graph's twin), the
+    step's sequences that do not guess this step (backing off, out of guesses)
+    decode in that same call: fewer model calls, the same tokens."""
+    from genai_service.engine.runner.shared_buffer_runner import SharedBufferRunner
+
+    def run(ride: bool) -> tuple[dict, int]:
+        if not ride:
+            monkeypatch.setattr(SharedBufferRunner, "checks_in_one_call", property(lambda s: False))
+        engine = engine_for(tiny_models["gqa"], drafts["one_layer"], max_batch=4)
+        calls = []
+        real = engine.runner.run
+        monkeypatch.setattr(engine.runner, "run", lambda items: calls.append(items) or real(items))
+        got = engine.run_to_completion(mixed_requests())
+        monkeypatch.undo()
+        return {rid: r.token_ids for rid, r in got.items()}, len(calls)
+
+    riding, ride_calls = run(True)
+    alone, alone_calls = run(False)
+    assert riding == alone
+    assert ride_calls < alone_calls, (ride_calls, alone_calls)

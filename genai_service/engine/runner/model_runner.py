@@ -89,6 +89,12 @@ class ModelRunner(ABC):
         sequences in one ORT call override this."""
         return [self.verify(item) for item in items]
 
+    @property
+    def checks_in_one_call(self) -> bool:
+        """Whether ``verify_batch`` runs several sequences (of any lengths) in
+        one ORT call, so a step's one-token decodes can ride along with its checks."""
+        return False
+
     def prepare_verify_batch(self) -> str | None:
         """Make ``verify_batch`` check several sequences in one ORT call where
         that takes set-up (speculation at batch > 1 asks for it once). None when

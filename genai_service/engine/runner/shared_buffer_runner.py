@@ -409,6 +409,10 @@ class SharedBufferRunner(ModelRunner):
             rows.append(out[slot - lo, :m])
         return rows
 
+    @property
+    def checks_in_one_call(self) -> bool:
+        return not self.spec.uses_gqa or self._verifier is not None
+
     def prepare_verify_batch(self) -> str | None:
         """On a GroupQueryAttention graph, build its twin (``verify_graph``) and a
         session of it on the same weights (read from the same files, held a
