@@ -329,7 +329,37 @@ def test_a_runner_without_a_twin_checks_one_sequence_per_call(
     assert len(calls) == 2  # no prepare_verify_batch yet
 
     def refuse(*args: object) -> None:
-        raise shared_buffer_runner.Unsupported("a sliding window (local_window_size)")
+        raise shared_buffer_runner.Unsupported("soft-capped scores (softcap)")
 
     monkeypatch.setattr(shared_buffer_runner, "build_verify_graph", refuse)
-    assert runner.prepare_verify_batch() == "a sliding window (local_window_size)"
+    assert runner.prepare_verify_batch() == "soft-capped scores (softcap)"
+
+
+def test_the_twin_refuses_what_it_does_not_reproduce(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An attribute it does not know (onnxruntime-genai's sliding_window_cache:
+    other buffer coordinates), and sliding windows on an onnxruntime whose
+    window it does not reproduce, keep one call per sequence."""
+    import onnx
+
+    from genai_service.engine.runner import verify_graph
+
+    spec = load_model_spec(tiny_models["gqa"])
+
+    def twin_of(**attrs: int) -> onnx.ModelProto:
+        model = onnx.load(str(spec.onnx_path))
+        for node in model.graph.node:
+            if node.op_type == "GroupQueryAttention":
+                node.attribute.extend(onnx.helper.make_attribute(k, v) for k, v in attrs.items())
+        return verify_graph.build_verify_graph(
+            model, spec.past_names, np.dtype(np.float32), spec.kv.head_dim
+        )
+
+    twin_of(local_window_size=4)  # a window: fine on this onnxruntime
+    with pytest.raises(verify_graph.Unsupported, match="sliding_window_cache"):
+        twin_of(sliding_window_cache=1)
+    monkeypatch.setattr(verify_graph, "WINDOWS_FROM", (99, 0))
+    with pytest.raises(verify_graph.Unsupported, match="onnxruntime >= 1.32"):
+        twin_of(local_window_size=4)
+    twin_of()  # no window: any onnxruntime

@@ -44,10 +44,10 @@ from .verify_graph import (
     BIAS,
     NEW_POSITIONS,
     POSITIONS,
+    WINDOW_BIAS,
     Unsupported,
     build_verify_graph,
     new_kv_names,
-    window_bias,
 )
 
 log = structlog.get_logger(__name__)
@@ -442,11 +442,11 @@ class SharedBufferRunner(ModelRunner):
             i.name
             for i in self._verifier.get_inputs() + self._verifier.get_overridable_initializers()
         }
-        self._window_biases = [
-            (window, window_bias(window))
-            for window in sorted(set(self.spec.attention_windows))
-            if window > 0 and window_bias(window) in self._verifier_inputs
-        ]
+        self._window_biases = sorted(
+            (int(name[len(WINDOW_BIAS) :]), name)
+            for name in self._verifier_inputs
+            if name.startswith(WINDOW_BIAS)
+        )
         return None
 
     def _run_twin(

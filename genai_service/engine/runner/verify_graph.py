@@ -51,10 +51,40 @@ NEW_POSITIONS = "verify.position_ids"  # else the twin's
 PAST_KEY, PAST_VALUE, COS_CACHE, SIN_CACHE = 3, 4, 7, 8
 
 
+# GroupQueryAttention attributes whose meaning the twin reproduces (others: refused).
+KNOWN_ATTRIBUTES = frozenset(
+    {
+        "num_heads",
+        "kv_num_heads",
+        "scale",
+        "local_window_size",
+        "softcap",
+        "do_rotary",
+        "rotary_interleaved",
+        "smooth_softmax",
+    }
+)
+# The first onnxruntime whose CPU kernel's window is the one the twin's bias
+# builds: a query at position q sees positions q - local_window_size + 1 .. q
+# (1.32; releases around 1.20 also saw q - local_window_size).
+WINDOWS_FROM = (1, 32)
+
+
+def windows_supported() -> bool:
+    """Whether this onnxruntime masks sliding windows as the twin does."""
+    import onnxruntime
+
+    parts = onnxruntime.__version__.split(".")[:2]
+    return tuple(int("".join(ch for ch in x if ch.isdigit()) or 0) for x in parts) >= WINDOWS_FROM
+
+
+WINDOW_BIAS = f"{BIAS}.window."
+
+
 def window_bias(window: int) -> str:
     """The bias input of the layers that attend to the last ``window`` positions
-    (GroupQueryAttention's ``local_window_size``)."""
-    return f"{BIAS}.window.{window}"
+    (GroupQueryAttention's ``local_window_size``): ``WINDOW_BIAS`` + the window."""
+    return f"{WINDOW_BIAS}{window}"
 
 
 def new_kv_names(layer: int) -> tuple[str, str]:
@@ -110,9 +140,14 @@ def build_verify_graph(
             continue
         a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
         name = node.name or node.output[0]
-        window = int(a.get("local_window_size", -1))
+        unknown = sorted(set(a) - KNOWN_ATTRIBUTES)
+        if unknown:  # e.g. onnxruntime-genai's sliding_window_cache: other buffer coordinates
+            raise Unsupported(f"{name}: attributes {unknown}")
+        window = max(int(a.get("local_window_size", -1)), -1)  # -1: none (as any negative)
         if window == 0:
             raise Unsupported(f"{name}: a zero-length sliding window")
+        if window > 0 and not windows_supported():
+            raise Unsupported(f"{name}: sliding windows need onnxruntime >= 1.32's")
         if a.get("softcap", 0.0):
             raise Unsupported(f"{name}: soft-capped scores (softcap)")
         if a.get("smooth_softmax", 0) or any(node.input[9:]) or len(node.input) < 5:
@@ -178,7 +213,9 @@ def build_verify_graph(
         )  # [B, KV, G*S, T]
         layer_bias = window_bias(window) if window > 0 else BIAS
         if (group, layer_bias) not in biases:  # each query row's: rows are (group, token)
-            reps = const(f"verify/bias_reps_{group}", [1, 1, group, 1])
+            reps = f"verify/bias_reps_{group}"
+            if not any(t.name == reps for t in consts):
+                const(reps, [1, 1, group, 1])
             biases[group, layer_bias] = add("Tile", [layer_bias, reps], f"{layer_bias}/x{group}")
             windows.add(window)
         probs = add(
