@@ -114,6 +114,13 @@ class SpeculationConfig:
     ngram_min: int = 1
 
     @property
+    def checks_several(self) -> bool:
+        """Whether one step may check several sequences' guesses (the runners
+        then prepare ``verify_batch`` for it: on GroupQueryAttention graphs a
+        second ORT session, the graph's twin)."""
+        return bool(self.num_tokens) and self.max_batch > 1
+
+    @property
     def resolved_mode(self) -> str:
         """ "" (off), "prompt-lookup", "draft" or "auto" (both)."""
         if not self.num_tokens:

@@ -107,7 +107,7 @@ def engine_main(config: EngineConfig, conn: Connection, log_format: str) -> None
 
     configure_logging(log_format)
     spec = config.speculation
-    if spec.draft_model is not None or (spec.num_tokens and spec.max_batch > 1):
+    if spec.draft_model is not None or spec.checks_several:
         # The target and the draft (or the target's twin that checks several
         # sequences at once, speculation at batch > 1) take turns on the cores:
         # one thread pool.

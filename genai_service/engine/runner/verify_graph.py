@@ -133,7 +133,6 @@ def build_verify_graph(
     replaced: set[int] = set()
     # (query heads per KV head, bias input) -> the bias tiled to its rows
     biases: dict[tuple[int, str], str] = {}
-    windows: set[int] = set()  # -1: no window
     for node in graph.node:
         if not (node.op_type == "GroupQueryAttention" and node.domain == MS_DOMAIN):
             nodes.append(node)
@@ -214,10 +213,9 @@ def build_verify_graph(
         layer_bias = window_bias(window) if window > 0 else BIAS
         if (group, layer_bias) not in biases:  # each query row's: rows are (group, token)
             reps = f"verify/bias_reps_{group}"
-            if not any(t.name == reps for t in consts):
+            if not any(g == group for g, _ in biases):  # its repeats, once per group
                 const(reps, [1, 1, group, 1])
             biases[group, layer_bias] = add("Tile", [layer_bias, reps], f"{layer_bias}/x{group}")
-            windows.add(window)
         probs = add(
             "Softmax",
             [add("Add", [scores, biases[group, layer_bias]], f"{p}/biased")],
@@ -265,8 +263,7 @@ def build_verify_graph(
         inputs.append(
             helper.make_tensor_value_info(NEW_POSITIONS, TensorProto.INT64, ["batch_size", "new"])
         )
-    for window in sorted(windows):
-        name = window_bias(window) if window > 0 else BIAS
+    for name in sorted({bias for _, bias in biases}):  # the global one, each window's
         inputs.append(helper.make_tensor_value_info(name, dtype, ["batch_size", 1, "new", "all"]))
     initializers = [t for t in graph.initializer if t.name in used] + consts
     twin = helper.make_graph(nodes, f"{graph.name}-verify", inputs, kept_outputs, initializers)

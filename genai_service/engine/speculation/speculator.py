@@ -90,7 +90,7 @@ class Speculation:
         self.proposers: list[Proposer] = [p for p in (self.lookup, self.draft) if p is not None]
         self.runner = runner
         self.counters = counters
-        if self.max_batch > 1:
+        if config.checks_several:
             # Several sequences' checks (and the draft's catch-up) in one call each.
             runners = [("target", runner)]
             if self.draft is not None:
