@@ -19,14 +19,20 @@ from genai_service.config import (
     SchedulerConfig,
     SpeculationConfig,
 )
-from genai_service.contract.request import GenerationRequest, StoppingCriteria
+from genai_service.contract.request import GenerationRequest, SamplingParams, StoppingCriteria
 from genai_service.engine.engine import LLMEngine
 from genai_service.engine.kv.kv_connector_memory import MemoryKvChunkStore
 from genai_service.engine.runner.model_runner import StepItem
 from genai_service.engine.runner.static_cache_runner import StaticCacheRunner
 from genai_service.model.model_config import ModelLoadError
 from genai_service.model.model_dir import StaticCacheIO, load_model_spec
-from tests.tiny_model import encode_words, reference_greedy, reference_logits
+from tests.tiny_model import (
+    TinyModelSpec,
+    build_tiny_model,
+    encode_words,
+    reference_greedy,
+    reference_logits,
+)
 
 PROMPT = encode_words("the cat sat on the mat and the dog sat in the box")  # 13 tokens
 
@@ -294,3 +300,51 @@ def test_a_static_cache_graph_drafts_for_its_past_present_twin(
     assert list(r.token_ids) == reference_greedy(tiny_model_dir, PROMPT, 16)
     c = eng.counters
     assert c["spec_accepted_tokens.draft"] == c["spec_draft_tokens.draft"] > 0
+
+
+def test_a_speculating_steps_checks_of_different_lengths_and_riding_decodes(
+    static_cache_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a poor draft at --speculate-max-batch 5, one check call holds
+    guesses of different lengths (a row padded after its own tokens) and the
+    one-token decodes of sequences not guessing that step (riding): every
+    request's tokens are a plain decode's, greedy, seeded sampled and Mirostat."""
+    poor = build_tiny_model(tmp_path / "one-layer", TinyModelSpec(num_layers=1))
+
+    def requests() -> list[GenerationRequest]:
+        sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
+        return [
+            greedy("greedy", PROMPT, 40),
+            greedy("sampled", encode_words("a bird saw it and the"), 24, sampling=sampled),
+            greedy("short", encode_words("the dog"), 6),
+            greedy("seeded", encode_words("the mat and"), 20, sampling=sampled),
+            # Mirostat gets no guesses: it decodes in the others' check calls.
+            greedy(
+                "mirostat",
+                encode_words("the box"),
+                16,
+                sampling=SamplingParams(temperature=0.8, mirostat=2, seed=3),
+            ),
+        ]
+
+    plain = engine(
+        static_cache_model_dir, scheduler=SchedulerConfig(max_num_seqs=5)
+    ).run_to_completion(requests())
+    calls: list[list[int]] = []
+    real = StaticCacheRunner.verify_batch
+
+    def spy(self: StaticCacheRunner, items: list[StepItem]) -> list[np.ndarray]:
+        calls.append([len(item.token_ids) for item in items])
+        return real(self, items)
+
+    monkeypatch.setattr(StaticCacheRunner, "verify_batch", spy)
+    spec = SpeculationConfig(4, 5, draft_model=str(poor), mode="draft")
+    eng = engine(
+        static_cache_model_dir, speculation=spec, scheduler=SchedulerConfig(max_num_seqs=5)
+    )
+    assert eng.runner.checks_in_one_call
+    got = eng.run_to_completion(requests())
+    assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in plain.items()}
+    several = [c for c in calls if len(c) > 1]
+    assert any(len(set(c)) > 2 and 1 in c for c in several), calls  # mixed, with riders
+    assert eng.counters["spec_draft_tokens.draft"] > eng.counters["spec_accepted_tokens.draft"]
