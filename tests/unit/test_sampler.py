@@ -518,6 +518,71 @@ def test_the_one_row_path_draws_what_the_batched_path_draws(
         assert sampler._sample_one_row(logits, logits, 0, one_by_one) is not None
 
 
+@pytest.mark.parametrize("large_vocab", [False, True])
+def test_a_batchs_uncut_rows_one_by_one_draw_what_the_batched_path_draws(
+    monkeypatch: pytest.MonkeyPatch, large_vocab: bool
+) -> None:
+    """Past ``ROW_PATH_MAX_ROWS`` sampled rows, those that nothing cuts
+    (temperature only, top-p alone) still go one by one, and from
+    ``ROW_PATH_MIN_VOCAB`` up every sampled row does; the others stay
+    batched: every row draws the batched form's token, step after step."""
+    from genai_service.engine.sampling import sampler
+
+    if large_vocab:
+        monkeypatch.setattr(sampler, "ROW_PATH_MIN_VOCAB", 1000)
+    gen = np.random.default_rng(11)
+    v = 3000
+    logits = (gen.standard_normal((7, v)) * 3).astype(np.float32)
+    logits[4] *= 0.05  # nearly flat: its nucleus lies below the first levels
+    params = [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=0.7, top_k=40),
+        SamplingParams(),  # greedy
+        SamplingParams(temperature=1.2, top_p=0.95),
+        SamplingParams(temperature=0.9, min_p=0.05),
+        SamplingParams(temperature=0.8, top_p=0.8, min_p=0.1, repetition_penalty=1.3),
+    ]
+
+    def rows() -> list[SamplingRow]:
+        return [make_row(p, seed=j, output=[1, 2, 3]) for j, p in enumerate(params)]
+
+    mixed, batched = prepare(rows()), prepare(rows())
+    s = np.flatnonzero(batched.temperature > 0)
+    for _ in range(4):
+        a = sampler.sample(logits, mixed)
+        b = sampler._sample_rows(logits, sampler.penalize(logits, batched), s, batched)
+        assert a.token_ids[s].tolist() == b.tolist()
+
+
+@pytest.mark.parametrize("scale", [4.0, 1.0, 0.2, 0.02, None])
+def test_the_one_row_nucleus_is_the_batched_one(scale: float | None) -> None:
+    """``_dense_nucleus_row`` (its first two levels from one pass) keeps the
+    tokens ``dense_nucleus`` keeps, at whatever level the nucleus is found:
+    the first (peaked rows), the second (4.0 at 0.99), past both (None: one
+    spike over a flat tail of tokens ~2^-16 of it), or the bound (flat rows)."""
+    from genai_service.engine.sampling import sampler, sampler_kernels
+
+    gen = np.random.default_rng(7)
+    for top_p in (0.5, 0.9, 0.99):
+        if scale is None:
+            row = (gen.standard_normal(20000) * 0.01).astype(np.float32)
+            row[123] = 9.0  # exp(-9 / 0.8) ~ 2^-16 for every other token
+        else:
+            row = (gen.standard_normal(20000) * scale).astype(np.float32)
+        t = np.float32(0.8)
+        m = row.max() / t
+        e = np.empty((1, row.size), np.float32)
+        blocks = sampler._masses(row[None], np.array([t]), np.array([m]), e)
+        total = np.cumsum(blocks[0], dtype=np.float64)[-1:]
+        _, cols, vals = sampler_kernels.dense_nucleus(
+            e, np.zeros(1, np.int64), total, np.array([top_p])
+        )
+        got_cols, got_vals = sampler._dense_nucleus_row(np.divide(row, t), m, np.float64(top_p))
+        assert got_cols.tolist() == cols.tolist()
+        assert got_vals.tobytes() == vals.tobytes()
+
+
 @pytest.mark.parametrize(
     "params",
     [
