@@ -60,7 +60,8 @@ from . import sampler_kernels as kernels
 from .sampler_kernels import DRAW_BLOCK, NO_IDS, NO_VALS
 
 # Up to this many sampled rows a step takes them one by one
-# (``_sample_one_row``); more go through the batched path.
+# (``_sample_one_row``); more go through the batched path, but for the rows
+# that ``ROW_PATH_MIN_VOCAB``'s rule sends one by one.
 # Measured (temperature + top-p + top-k + repetition, V = 49,152, ms per step,
 # one by one / batched): B=1 0.35 / 0.55, B=2 0.61 / 0.65, B=3 0.88 / 0.77.
 ROW_PATH_MAX_ROWS = 2
@@ -627,7 +628,9 @@ def _sample_one_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) 
         m = heads.max() / t
     else:  # every token's mass is needed: divide first, and take the maximum from that
         scaled = np.divide(row, t)
-        m = scaled.max()  # == row.max() / t: dividing by t > 0 keeps the order, rounded too
+        # == row.max() / t: dividing by a finite t > 0 keeps the order, rounded
+        # too (an infinite t makes -inf / t NaN: that one divides the maximum)
+        m = scaled.max() if np.isfinite(t) else row.max() / t
     if not np.isfinite(m):  # everything masked (or NaN/inf): the raw argmax, after the draw
         args.rngs[i].random()
         return int(fallback_tokens(raw, np.array([i]), args)[0])
