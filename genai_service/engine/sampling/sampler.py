@@ -770,7 +770,8 @@ def _dense_nucleus_row(
     """The nucleus (token ids ascending, masses) of a row that nothing cuts
     before top-p, as ``_sample_rows`` finds it for a dense row: the whole
     vocabulary's masses and their total summed as its block sums and running
-    total are, then ``kernels.dense_nucleus`` on that one row."""
+    total are, then the nucleus ``kernels.dense_nucleus`` keeps on that one
+    row (``tests/unit/test_sampler.py`` compares them at every level)."""
     e, blocks = _row_masses(scaled, m)
     total = np.cumsum(blocks, dtype=np.float64)[-1:]
     # dense_nucleus's first two levels in a third of its numpy calls (they
