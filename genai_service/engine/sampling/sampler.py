@@ -778,9 +778,10 @@ def _dense_nucleus_row(
     # find nearly every nucleus): one pass at the second, the first's tokens
     # among its. The levels after them are its own (it tries the two again).
     bound = ((1.0 - top_p) * total / e.size).astype(np.float32)
-    cols = np.flatnonzero(e >= np.maximum(bound, np.float32(2.0**-14)))
+    first_two = kernels.NUCLEUS_LEVELS[:2]
+    cols = np.flatnonzero(e >= np.maximum(bound, np.float32(first_two[-1])))
     vals = e[cols]
-    for level in (2.0**-7, 2.0**-14):
+    for level in first_two:
         on = vals >= np.maximum(bound, np.float32(level))
         desc = -np.sort(-vals[on])
         reached = np.cumsum(desc, dtype=np.float64) >= top_p * total

@@ -254,6 +254,12 @@ def nucleus(
     return out, found
 
 
+# The thresholds (fractions of the top probability) that ``dense_nucleus``
+# looks for a nucleus above, in turn, before its bound alone; the sampler's
+# one-row form takes the first two from one compare.
+NUCLEUS_LEVELS = (2.0**-7, 2.0**-14, 2.0**-17)
+
+
 def dense_nucleus(
     e: np.ndarray, rows: np.ndarray, mass: np.ndarray, top_p: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -274,7 +280,7 @@ def dense_nucleus(
     floor = np.zeros(p, dtype=np.float32)
     left = np.arange(p)  # rows whose nucleus is not found yet
     parts = []
-    for level in (2.0**-7, 2.0**-14, 2.0**-17, None):
+    for level in (*NUCLEUS_LEVELS, None):
         thr = ((1.0 - top_p[left]) * mass[left] / v).astype(np.float32)
         if level is not None:
             np.maximum(thr, np.float32(level), out=thr)
