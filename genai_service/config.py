@@ -68,6 +68,7 @@ class SchedulerConfig:
 
 MAX_DRAFT_TOKENS = 32  # a check of that many tokens costs several plain steps
 SPECULATIVE_MODES = ("auto", "prompt-lookup", "draft")
+SPECULATION_BATCH_RULES = ("measured", "always")
 
 
 @dataclass(frozen=True)
@@ -79,9 +80,12 @@ class SpeculationConfig:
     of its last ``ngram_max``..``ngram_min`` tokens in its own context) or by
     a draft model (``draft_model``; ``mode`` says which), and one step checks
     the guess: every guessed token the model agrees with comes out of that
-    step too. Tokens are chosen as without speculation; graphs whose matmuls
-    round a several-token step differently (int8 activations) may break
-    near-ties the other way (docs/design.md, "Speculative decoding").
+    step too. From two sequences up, ``batch_rule`` "measured" guesses at a
+    batch size only while guessing steps there are measured to give tokens
+    faster than plain ones ("always": at every step). Tokens are chosen as
+    without speculation; graphs whose matmuls round a several-token step
+    differently (int8 activations) may break near-ties the other way
+    (docs/design.md, "Speculative decoding").
     """
 
     num_tokens: int = flag(  # 0..MAX_DRAFT_TOKENS
@@ -110,6 +114,13 @@ class SpeculationConfig:
         "lookup where its guess is longer; prompt lookup alone without --draft-model)",
         choices=SPECULATIVE_MODES,
     )
+    batch_rule: str = flag(
+        "measured",
+        name="speculate-batch-rule",
+        help="at 2 to --speculate-max-batch sequences: speculate while steps that do are "
+        "measured to give tokens faster than plain steps (measured), or at every step (always)",
+        choices=SPECULATION_BATCH_RULES,
+    )
     ngram_max: int = 3
     ngram_min: int = 1
 
@@ -133,6 +144,11 @@ class SpeculationConfig:
         if not 0 <= self.num_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(
                 f"speculation num_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {self.num_tokens}"
+            )
+        if self.batch_rule not in SPECULATION_BATCH_RULES:
+            raise ValueError(
+                f"--speculate-batch-rule must be one of {', '.join(SPECULATION_BATCH_RULES)}; "
+                f"got {self.batch_rule!r}"
             )
         if self.mode not in SPECULATIVE_MODES:
             raise ValueError(

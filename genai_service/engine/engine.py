@@ -539,8 +539,14 @@ class LLMEngine(InProcessDriver):
         self.last_step_idle = not batch and not stored
         if not batch:
             return outputs
+        started = time.perf_counter()
         computed = self._run(batch)
-        outputs += self._postprocess(computed)
+        produced = self._postprocess(computed)
+        spec = self.speculation
+        if spec is not None and spec.measuring and (computed.plain or computed.verified):
+            # The batch rule's measurement (not of a step whose runner failed).
+            spec.observe(sum(len(o.token_ids) for o in produced), time.perf_counter() - started)
+        outputs += produced
         if self._slides_due:
             self._slide_due()
         return outputs + self._drain_pending()

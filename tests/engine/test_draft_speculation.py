@@ -51,8 +51,13 @@ def drafts(
 def engine_for(
     target: Path, draft: Path | None, num_tokens: int = 4, max_batch: int = 4, **kw: object
 ) -> LLMEngine:
+    # batch rule "always": what the measured rule chooses depends on timing;
+    # these tests check what speculation computes (the rule's own tests:
+    # test_speculation_batch_rule.py).
     spec = (
-        SpeculationConfig(num_tokens, max_batch, draft_model=str(draft), mode="draft")
+        SpeculationConfig(
+            num_tokens, max_batch, draft_model=str(draft), mode="draft", batch_rule="always"
+        )
         if draft is not None
         else SpeculationConfig()
     )
@@ -330,7 +335,7 @@ def test_auto_mode_lets_prompt_lookup_take_longer_guesses(
     tiny_models: dict[str, Path], drafts: dict[str, Path]
 ) -> None:
     target = tiny_models["gqa"]
-    config = SpeculationConfig(2, 4, draft_model=str(drafts["same"]))  # mode "auto"
+    config = SpeculationConfig(2, 4, draft_model=str(drafts["same"]), batch_rule="always")  # "auto"
     engine = LLMEngine(EngineConfig(model_dir=str(target), speculation=config))
     reqs = [request("a", PROMPT, 40), request("b", "a bird saw it", 30, sampling=SAMPLED)]
     got = engine.run_to_completion(reqs)

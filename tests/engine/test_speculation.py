@@ -143,10 +143,14 @@ def test_verify_returns_every_positions_logits_and_truncate_drops_kv(
 
 
 def engine_for(model_dir: Path, num_tokens: int = 0, max_batch: int = 1) -> LLMEngine:
+    # batch rule "always": the measured rule's choice depends on timing (its
+    # own tests: test_speculation_batch_rule.py).
     return LLMEngine(
         EngineConfig(
             model_dir=str(model_dir),
-            speculation=SpeculationConfig(num_tokens=num_tokens, max_batch=max_batch),
+            speculation=SpeculationConfig(
+                num_tokens=num_tokens, max_batch=max_batch, batch_rule="always"
+            ),
         )
     )
 

@@ -294,7 +294,9 @@ def test_a_static_cache_graph_drafts_for_its_past_present_twin(
     static_cache_model_dir: Path, tiny_model_dir: Path
 ) -> None:
     """The same weights behind the other I/O: every greedy guess is right."""
-    spec = SpeculationConfig(4, 4, draft_model=str(static_cache_model_dir), mode="draft")
+    spec = SpeculationConfig(
+        4, 4, draft_model=str(static_cache_model_dir), mode="draft", batch_rule="always"
+    )
     eng = engine(tiny_model_dir, speculation=spec)
     r = eng.generate(greedy("d", PROMPT, 16))
     assert list(r.token_ids) == reference_greedy(tiny_model_dir, PROMPT, 16)
@@ -338,7 +340,7 @@ def test_a_speculating_steps_checks_of_different_lengths_and_riding_decodes(
         return real(self, items)
 
     monkeypatch.setattr(StaticCacheRunner, "verify_batch", spy)
-    spec = SpeculationConfig(4, 5, draft_model=str(poor), mode="draft")
+    spec = SpeculationConfig(4, 5, draft_model=str(poor), mode="draft", batch_rule="always")
     eng = engine(
         static_cache_model_dir, speculation=spec, scheduler=SchedulerConfig(max_num_seqs=5)
     )

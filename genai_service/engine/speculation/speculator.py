@@ -23,6 +23,7 @@ from ...contract.request import RequestOutput, TokenLogprob, merge_outputs
 from ..sampling_rows import TokenPicker
 from ..sequence import SeqStatus
 from ..sequence import Sequence as Seq
+from .batch_rule import BatchRule
 from .draft_model import DraftModel
 from .prompt_lookup import PromptLookup
 from .proposer import DraftWant, Proposer
@@ -79,6 +80,14 @@ class Speculation:
         self.mode = config.resolved_mode
         self.num_tokens = config.num_tokens
         self.max_batch = config.max_batch
+        self.rule = BatchRule(config.batch_rule)
+        # What the batch rule measures of this step, if it decodes only (else
+        # None): its batch size, how many of it sample, whether it guesses,
+        # and whether it is timed (no catch-up of the draft's).
+        self._decoding: tuple[int, int, bool, bool] | None = None
+        # The last decode-only step the rule measured: its (batch, sampled)
+        # and whether it speculated.
+        self._last: tuple[tuple[int, int], bool] | None = None
         self.draft = draft if self.mode in ("draft", "auto") else None
         if self.mode in ("draft", "auto") and draft is None:
             raise ValueError(f"--speculative-mode {self.mode} needs a draft model")
@@ -106,10 +115,19 @@ class Speculation:
         sequences; none for a Mirostat sequence (its mu moves with every pick,
         and a check picks past the tokens it keeps when one of them ends the
         request). A constrained sequence's draft is cut to the longest prefix
-        its constraint accepts (``accept`` then masks each position as it picks)."""
+        its constraint accepts (``accept`` then masks each position as it picks).
+        From 2 sequences up, ``rule`` says whether guessing pays at that batch
+        size; ``observe`` tells it what the step did."""
+        self._decoding = None
         if len(items) > self.max_batch:
             return {}
         if any(n != 1 or not s.output_ids or s.status is not SeqStatus.RUNNING for s, n in items):
+            return {}
+        measured = len(items) > 1 and not self.rule.always
+        sampled = sum(not s.request.sampling.greedy for s, _ in items) if measured else 0
+        if measured and not self.rule.speculate(len(items), sampled):
+            self._decoding = (len(items), sampled, False, True)
+            self.counters["spec_rule_plain_steps"] += 1
             return {}
         wants = []
         for seq, _ in items:
@@ -126,11 +144,21 @@ class Speculation:
             for sid, tokens in self.lookup.propose(wants).items():
                 if self.draft is None or len(tokens) > self.draft.num_tokens:
                     drafts[sid] = Draft(tokens, self.lookup)
+        timed = True
         if self.draft is not None:
             # (A draft whose runner fails gives no guesses: DraftModel.propose.)
+            fed = self.draft.catchup_fed
             guessed = self.draft.propose([w for w in wants if w.seq.seq_id not in drafts])
             for sid, tokens in guessed.items():
                 drafts[sid] = Draft(tokens, self.draft)
+            # More than the token a check leaves each sequence, right after
+            # plain steps (or a change of the batch's sequences): the catch-up
+            # a switch to speculation pays once, not timed. (Any other is
+            # speculation's own cost: after a back-off, or a lookup guess.)
+            switched = self._last != ((len(items), sampled), True)
+            timed = not switched or self.draft.catchup_fed - fed <= len(wants)
+        if measured:
+            self._decoding = (len(items), sampled, True, timed)
         for seq, _ in items:
             draft = drafts.get(seq.seq_id)
             if draft and seq.matcher is not None:
@@ -141,6 +169,21 @@ class Speculation:
                     del drafts[seq.seq_id]
                     draft.proposer.accepted(seq, 0)
         return drafts
+
+    @property
+    def measuring(self) -> bool:
+        """Whether the batch rule measures the step ``drafts`` last saw."""
+        return self._decoding is not None
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """The step ``drafts`` last saw ran, generating ``tokens`` in
+        ``seconds`` of wall time: the batch rule's measurement, when the step
+        decoded only."""
+        if self._decoding is not None:
+            batch, sampled, speculated, timed = self._decoding
+            self.rule.observe(batch, sampled, speculated, tokens, seconds, timed)
+            self._last = ((batch, sampled), speculated)
+            self._decoding = None
 
     def accept(
         self,
