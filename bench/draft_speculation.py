@@ -21,7 +21,11 @@ run to run) so that drift hits every engine alike:
   other layers' tensors unread), into the cache beside the default model's
   conversions; nothing outside this module makes or serves it;
 - ``draft_int4_batch4``: ``draft_int4`` with ``--speculate-max-batch 4``
-  (speculation forced at 4 streams; the default rule speculates at 1 only).
+  (speculation allowed at up to 4 streams; the default allows it at 1 only),
+  under the measured batch rule that speculates at a batch size only while
+  that is the faster way there;
+- ``draft_int4_batch4_always``: the same with ``--speculate-batch-rule
+  always``: every step at up to 4 streams speculates.
 
 Workload: 6 chat prompts (the model's chat template; stories and
 explanations, free text: nothing to copy), ``--new-tokens`` (256) each with
@@ -29,7 +33,7 @@ EOS ignored, greedy and sampled (temperature 0.7, a fixed seed per prompt);
 every request has its own ``cache_salt``, so every prefill is cold. Shapes:
 single streams (each prompt alone: plain, both good drafts, the poor one) and
 4 concurrent streams (4 different prompts at once: plain, ``draft_int4``,
-``draft_int4_batch4``).
+``draft_int4_batch4``, ``draft_int4_batch4_always``).
 
 Per engine, shape and sampling: median decode tok/s (single: ``stream_stats``;
 4 streams: the aggregate of ``concurrency_stats``), median TTFT, the ratio to
@@ -108,6 +112,7 @@ class Engine:
     name: str
     draft: str | None = None  # key of the model directories: int4, int8, poor
     max_batch: int = 1  # --speculate-max-batch
+    rule: str = "measured"  # --speculate-batch-rule
 
 
 ENGINES = (
@@ -116,15 +121,18 @@ ENGINES = (
     Engine("draft_int8", "int8"),
     Engine("poor_draft", "poor"),
     Engine("draft_int4_batch4", "int4", STREAMS),
+    Engine("draft_int4_batch4_always", "int4", STREAMS, "always"),
 )
 SINGLE = ("plain", "draft_int4", "draft_int8", "poor_draft")
-MULTI = ("plain", "draft_int4", "draft_int4_batch4")
+MULTI = ("plain", "draft_int4", "draft_int4_batch4", "draft_int4_batch4_always")
 LABELS = {
     "plain": "fp32, no speculation",
     "draft_int4": "fp32 + int4 draft",
     "draft_int8": "fp32 + int8 draft",
     "poor_draft": f"fp32 + poor draft ({POOR_LAYERS} layers, int4)",
     "draft_int4_batch4": "fp32 + int4 draft, --speculate-max-batch 4",
+    "draft_int4_batch4_always": "fp32 + int4 draft, --speculate-max-batch 4 "
+    "--speculate-batch-rule always",
 }
 COST_MODELS = {"fp32": "fp32 (target)", "int8": "int8", "int4": "int4", "poor": "poor draft"}
 
@@ -362,6 +370,7 @@ def _start(engine: Engine, dirs: dict[str, str], threads: int, k: int) -> Runnin
             "--speculate", str(k),
             "--speculative-mode", "draft",
             "--speculate-max-batch", str(engine.max_batch),
+            "--speculate-batch-rule", engine.rule,
         ]  # fmt: skip
     server = ServerProcess(dirs["fp32"], threads, start_timeout_s=300, extra_args=args)
     try:
