@@ -71,6 +71,15 @@ SPECULATIVE_MODES = ("auto", "prompt-lookup", "draft")
 SPECULATION_BATCH_RULES = ("measured", "always")
 
 
+def check_batch_rule(rule: str) -> None:
+    """ValueError unless ``rule`` is a ``--speculate-batch-rule``."""
+    if rule not in SPECULATION_BATCH_RULES:
+        raise ValueError(
+            f"--speculate-batch-rule must be one of {', '.join(SPECULATION_BATCH_RULES)}; "
+            f"got {rule!r}"
+        )
+
+
 @dataclass(frozen=True)
 class SpeculationConfig:
     """Speculative decoding (off unless ``num_tokens`` > 0).
@@ -145,11 +154,7 @@ class SpeculationConfig:
             raise ValueError(
                 f"speculation num_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {self.num_tokens}"
             )
-        if self.batch_rule not in SPECULATION_BATCH_RULES:
-            raise ValueError(
-                f"--speculate-batch-rule must be one of {', '.join(SPECULATION_BATCH_RULES)}; "
-                f"got {self.batch_rule!r}"
-            )
+        check_batch_rule(self.batch_rule)
         if self.mode not in SPECULATIVE_MODES:
             raise ValueError(
                 f"--speculative-mode must be one of {', '.join(SPECULATIVE_MODES)}; "

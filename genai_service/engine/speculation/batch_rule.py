@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from ...config import SPECULATION_BATCH_RULES
+from ...config import check_batch_rule
 
 BURST = 8  # timed steps of one kind that one measurement of its rate spans
 MAX_TRY_STEPS = 4 * BURST  # a try with fewer timed steps than BURST by then ends undecided
@@ -77,12 +77,16 @@ class _AtBatch:
     bursts: dict[bool, _Burst] = field(default_factory=lambda: {True: _Burst(), False: _Burst()})
     cost: dict[bool, float] = field(default_factory=dict)  # kind -> seconds its last try took
     choice: bool = True  # speculate
-    first: bool = True  # speculation is being measured for the first time
     trying: bool = False  # the kind not chosen is being measured
     steps: int = 0  # steps of the try (or of the first measuring) so far
     spent: float = 0.0  # timed seconds of the try (or of the first measuring) so far
     since: float = 0.0  # seconds of steps of the chosen kind since the last try
     patience: int = FIRST_PATIENCE
+
+    @property
+    def first(self) -> bool:
+        """Speculation is being measured for the first time (no try yet)."""
+        return not self.cost
 
 
 class BatchRule:
@@ -93,11 +97,7 @@ class BatchRule:
     ``--speculate-batch-rule always``, and of one sequence in any case)."""
 
     def __init__(self, rule: str = "measured") -> None:
-        if rule not in SPECULATION_BATCH_RULES:
-            raise ValueError(
-                f"--speculate-batch-rule must be one of {', '.join(SPECULATION_BATCH_RULES)}; "
-                f"got {rule!r}"
-            )
+        check_batch_rule(rule)
         self.always = rule == "always"
         self._at: dict[tuple[int, int], _AtBatch] = {}
 
@@ -139,7 +139,9 @@ class BatchRule:
         if at.trying and at.steps >= MAX_TRY_STEPS:  # too few of its steps timed: give up
             at.trying = False
             at.since = 0.0
-        elif not (at.first or at.trying) and at.since >= at.patience * at.cost[not at.choice]:
+        elif not (at.first or at.trying) and at.since >= at.patience * at.cost.get(
+            not at.choice, 0.0
+        ):
             self._try(at)
 
     def _measured(self, batch: int, sampled: int, at: _AtBatch, kind: bool) -> None:
@@ -151,10 +153,9 @@ class BatchRule:
         at.bursts[kind] = _Burst()
         other = not at.choice
         if at.first:  # speculation measured: try plain steps next
-            at.first = False
             at.cost[kind] = at.spent
             self._try(at)
-        elif at.trying:
+        elif at.trying and kind == other:
             self._decide(batch, sampled, at)
         elif at.rate[kind] * MARGIN < at.rate.get(other, 0.0):
             self._try(at)  # the chosen kind fell below the other's rate: try that again
@@ -172,7 +173,7 @@ class BatchRule:
         """A try of the kind not chosen measured it: keep the faster one."""
         other = not at.choice
         at.cost[other] = at.spent
-        if at.choice not in at.rate or at.rate[other] > MARGIN * at.rate[at.choice]:
+        if at.rate[other] > MARGIN * at.rate.get(at.choice, 0.0):
             at.choice = other
             at.patience = FIRST_PATIENCE
             log.info(
@@ -180,8 +181,8 @@ class BatchRule:
                 batch=batch,
                 sampled=sampled,
                 speculate=at.choice,
-                speculating_tok_s=round(at.rate[True], 1),
-                plain_tok_s=round(at.rate[False], 1),
+                speculating_tok_s=round(at.rate.get(True, 0.0), 1),
+                plain_tok_s=round(at.rate.get(False, 0.0), 1),
             )
         else:
             at.patience = min(MAX_PATIENCE, 2 * at.patience)
