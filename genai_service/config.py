@@ -23,6 +23,7 @@ def _positive(name: str, value: int | float) -> None:
 
 
 RUNNERS = ("auto", "past_present", "shared_buffer", "static_cache")
+HUGE_PAGES = ("on", "off")
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,17 @@ class RunnerConfig:
         metavar="N",
     )
     runner: str = flag("auto", help="how the model runs", choices=RUNNERS)
+    # glibc's malloc asked for transparent huge pages in the engine process
+    # (GLIBC_TUNABLES glibc.malloc.hugetlb=1, set when the frontend spawns it):
+    # ONNX Runtime's packed weights, read whole at every decode step, then sit
+    # on 2 MiB pages, and a step misses the TLB far less (docs/design.md,
+    # "Processes and planes").
+    huge_pages: str = flag(
+        "on",
+        help="transparent huge pages for the engine process's heap (ONNX Runtime's weights); "
+        "off: the system's default",
+        choices=HUGE_PAGES,
+    )
     # One intra-op thread pool for every session of the process (set by the
     # engine process when a draft model runs beside the target: per-session
     # pools spin-wait after each call and take the cores from the other
@@ -48,6 +60,10 @@ class RunnerConfig:
             raise ValueError(f"intra_op_threads must be >= 0, got {self.intra_op_threads}")
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {self.runner!r}")
+        if self.huge_pages not in HUGE_PAGES:
+            raise ValueError(
+                f"huge_pages must be one of {', '.join(HUGE_PAGES)}; got {self.huge_pages!r}"
+            )
 
 
 @dataclass(frozen=True)
