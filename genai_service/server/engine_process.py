@@ -27,6 +27,7 @@ import os
 import pickle
 import secrets
 import select
+import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator
 from multiprocessing.connection import Connection
@@ -125,9 +126,10 @@ def engine_tunables(current: str | None, huge_pages: str) -> str | None:
 
     ONNX Runtime's packed weights (~150 MB for SmolLM2 at int8) are read whole
     at every decode step; on 4 KiB pages that is tens of thousands of TLB
-    misses a step. glibc 2.35+ honours the tunable (older ones ignore it), and
-    the kernel only where transparent huge pages are "madvise" or "always"
-    (docs/design.md, "Processes and planes")."""
+    misses a step. glibc 2.35+ honours the tunable (older ones ignore it)
+    where the kernel's transparent huge pages are "madvise"; under "always"
+    the kernel uses them anyway, under "never" not at all (docs/design.md,
+    "Processes and planes")."""
     if huge_pages != "on":
         return current
     parts = [part for part in (current or "").split(":") if part]
@@ -136,11 +138,15 @@ def engine_tunables(current: str | None, huge_pages: str) -> str | None:
     return ":".join([*parts, f"{HUGETLB_TUNABLE}=1"])
 
 
+_SPAWN_ENV_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _environ(name: str, value: str | None) -> Iterator[None]:
     """This process's environment variable ``name`` set to ``value`` for the
     block: a ``spawn`` child takes the environment it starts with, and
-    ``multiprocessing`` has no way to give it one of its own."""
+    ``multiprocessing`` has no way to give it one of its own (a helper it
+    starts on first use, its resource tracker, inherits it too)."""
     before = os.environ.get(name)
     if value == before:
         yield
@@ -219,9 +225,10 @@ class EngineProcess:
             name="genai-engine",
             daemon=True,
         )
-        tunables = engine_tunables(os.environ.get(TUNABLES_ENV), self.config.runner.huge_pages)
-        with _environ(TUNABLES_ENV, tunables):
-            proc.start()
+        with _SPAWN_ENV_LOCK:  # two engines starting at once must not interleave
+            tunables = engine_tunables(os.environ.get(TUNABLES_ENV), self.config.runner.huge_pages)
+            with _environ(TUNABLES_ENV, tunables):
+                proc.start()
         child.close()
         self._proc, self._conn = proc, parent
         self._reader = PipeReader()

@@ -815,6 +815,30 @@ def test_engine_tunables(current: str | None, huge_pages: str, expected: str | N
     assert engine_tunables(current, huge_pages) == expected
 
 
+def test_the_spawn_environment_is_restored_even_when_the_start_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from genai_service.server.engine_process import _environ
+
+    name = "GENAI_TEST_SPAWN_ENV"
+    for before in (None, "kept"):
+        if before is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, before)
+        with pytest.raises(RuntimeError), _environ(name, "during"):
+            assert os.environ[name] == "during"
+            raise RuntimeError("the start failed")
+        assert os.environ.get(name) == before
+
+
+def test_huge_pages_must_be_on_or_off() -> None:
+    from genai_service.config import RunnerConfig
+
+    with pytest.raises(ValueError, match="huge_pages must be one of on, off; got 'yes'"):
+        RunnerConfig(huge_pages="yes")
+
+
 def test_the_engine_outbox_keeps_order_flushes_on_close_and_notes_a_broken_pipe() -> None:
     import multiprocessing as mp
 
