@@ -1167,9 +1167,9 @@ def markdown(r: Results) -> str:
         f"median of {meta['plan']['reps']} rep(s); total run {meta['elapsed_s'] / 60:.1f} min.",
         "- Ours: the in-process `LLMEngine` and `genai-server` through `GenerateStream` "
         "(client-side timing: TTFT = first token's arrival, decode = (n−1)/(t_last−t_first)); "
-        "the server's engine process asks for transparent huge pages (`--huge-pages on`, its "
-        'default; docs/design.md, "Processes and planes"), the in-process engine runs in the '
-        "benchmark's own process, without them, as every other engine does. "
+        "both put the model's weights on transparent huge pages (`--huge-pages on`, the "
+        'default; docs/design.md, "Processes and planes"); the other engines run as their '
+        "users get them. "
         "og = onnxruntime-genai in its own process: `og.Generator` for single streams "
         "(best of `past_present_share_buffer` true/false, per metric), `og.Engine` "
         f"for sessions and concurrency{_engine_note(meta)}.",

@@ -37,15 +37,13 @@ class RunnerConfig:
         metavar="N",
     )
     runner: str = flag("auto", help="how the model runs", choices=RUNNERS)
-    # glibc's malloc asked for transparent huge pages in the engine process
-    # (GLIBC_TUNABLES glibc.malloc.hugetlb=1, set when the frontend spawns it):
-    # ONNX Runtime's packed weights, read whole at every decode step, then sit
-    # on 2 MiB pages, and a step misses the TLB far less (docs/design.md,
-    # "Processes and planes").
+    # Each session's weights, read whole at every decode step, collapsed onto
+    # 2 MiB pages once loaded, so a step misses the TLB far less
+    # (engine/runner/huge_pages.py; docs/design.md, "Processes and planes").
     huge_pages: str = flag(
         "on",
-        help="transparent huge pages for the engine process's heap (ONNX Runtime's weights); "
-        "off: the system's default",
+        help="put ONNX Runtime's weights on transparent huge pages once a model loads; "
+        "off: the system's default pages",
         choices=HUGE_PAGES,
     )
     # One intra-op thread pool for every session of the process (set by the

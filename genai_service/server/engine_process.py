@@ -27,9 +27,8 @@ import os
 import pickle
 import secrets
 import select
-import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable
 from multiprocessing.connection import Connection
 from typing import Any, assert_never
 
@@ -115,55 +114,6 @@ class PipeReader:
         return messages
 
 
-TUNABLES_ENV = "GLIBC_TUNABLES"
-HUGETLB_TUNABLE = "glibc.malloc.hugetlb"
-
-
-def engine_tunables(current: str | None, huge_pages: str) -> str | None:
-    """The engine process's ``GLIBC_TUNABLES``: the frontend's (``current``)
-    with malloc's transparent-huge-page advice (``glibc.malloc.hugetlb=1``)
-    added when ``huge_pages`` is "on", unless the operator set that tunable.
-
-    ONNX Runtime's packed weights (~150 MB for SmolLM2 at int8) are read whole
-    at every decode step; on 4 KiB pages that is tens of thousands of TLB
-    misses a step. glibc 2.35+ honours the tunable (older ones ignore it)
-    where the kernel's transparent huge pages are "madvise"; under "always"
-    the kernel uses them anyway, under "never" not at all (docs/design.md,
-    "Processes and planes")."""
-    if huge_pages != "on":
-        return current
-    parts = [part for part in (current or "").split(":") if part]
-    if any(part.split("=", 1)[0] == HUGETLB_TUNABLE for part in parts):
-        return current
-    return ":".join([*parts, f"{HUGETLB_TUNABLE}=1"])
-
-
-_SPAWN_ENV_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _environ(name: str, value: str | None) -> Iterator[None]:
-    """This process's environment variable ``name`` set to ``value`` for the
-    block: a ``spawn`` child takes the environment it starts with, and
-    ``multiprocessing`` has no way to give it one of its own (a helper it
-    starts on first use, its resource tracker, inherits it too)."""
-    before = os.environ.get(name)
-    if value == before:
-        yield
-        return
-    if value is None:
-        del os.environ[name]
-    else:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
-
-
 class EngineProcess:
     """The frontend's handle: start/supervise the engine process and route its outputs.
 
@@ -225,10 +175,7 @@ class EngineProcess:
             name="genai-engine",
             daemon=True,
         )
-        with _SPAWN_ENV_LOCK:  # two engines starting at once must not interleave
-            tunables = engine_tunables(os.environ.get(TUNABLES_ENV), self.config.runner.huge_pages)
-            with _environ(TUNABLES_ENV, tunables):
-                proc.start()
+        proc.start()
         child.close()
         self._proc, self._conn = proc, parent
         self._reader = PipeReader()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -777,59 +776,6 @@ def test_a_request_id_already_in_flight_is_invalid_argument(channel: grpc.Channe
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert msg == "request_id: 'same-id' is already in flight"
     running.cancel()
-
-
-def _environ_of(pid: int | str) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
-    return dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
-
-
-def test_the_engine_process_asks_for_huge_pages_and_the_frontend_keeps_its_environment(
-    server: ServerThread,
-) -> None:
-    from genai_service.server.engine_process import TUNABLES_ENV
-
-    assert server.server is not None and server.server.engine.pid is not None
-    ours = _environ_of("self").get(TUNABLES_ENV)  # as this process started
-    engine = _environ_of(server.server.engine.pid)
-    assert "glibc.malloc.hugetlb=1" in engine[TUNABLES_ENV].split(":")
-    if ours:
-        assert engine[TUNABLES_ENV].startswith(ours)
-    assert os.environ.get(TUNABLES_ENV) == ours  # set only while the engine started
-
-
-@pytest.mark.parametrize(
-    ("current", "huge_pages", "expected"),
-    [
-        (None, "on", "glibc.malloc.hugetlb=1"),
-        ("", "on", "glibc.malloc.hugetlb=1"),
-        ("glibc.malloc.arena_max=2", "on", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"),
-        ("glibc.malloc.hugetlb=0", "on", "glibc.malloc.hugetlb=0"),  # the operator's own
-        ("glibc.malloc.arena_max=2", "off", "glibc.malloc.arena_max=2"),
-        (None, "off", None),
-    ],
-)
-def test_engine_tunables(current: str | None, huge_pages: str, expected: str | None) -> None:
-    from genai_service.server.engine_process import engine_tunables
-
-    assert engine_tunables(current, huge_pages) == expected
-
-
-def test_the_spawn_environment_is_restored_even_when_the_start_fails(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from genai_service.server.engine_process import _environ
-
-    name = "GENAI_TEST_SPAWN_ENV"
-    for before in (None, "kept"):
-        if before is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, before)
-        with pytest.raises(RuntimeError), _environ(name, "during"):
-            assert os.environ[name] == "during"
-            raise RuntimeError("the start failed")
-        assert os.environ.get(name) == before
 
 
 def test_huge_pages_must_be_on_or_off() -> None:

@@ -17,6 +17,7 @@ from ...config import RunnerConfig
 from ...model.model_dir import ModelSpec
 from ...model.rope import RopeTable
 from ..kv.prefix_cache import KvLayers, join_chunks
+from .huge_pages import load_session
 from .step_item import StepItem
 
 __all__ = ["ModelRunner", "PastPresentRunner", "StepItem", "make_session_options"]
@@ -170,8 +171,8 @@ class PastPresentRunner(ModelRunner):
 
     def __init__(self, spec: ModelSpec, config: RunnerConfig) -> None:
         self.spec = spec
-        self.session = ort.InferenceSession(
-            str(spec.onnx_path), make_session_options(config), providers=["CPUExecutionProvider"]
+        self.session = load_session(
+            str(spec.onnx_path), make_session_options(config), config.huge_pages == "on"
         )
         self._dtype = np.dtype(spec.kv.dtype)
         self._right_pad = spec.uses_gqa

@@ -39,6 +39,7 @@ import structlog
 from ...config import RunnerConfig
 from ...model.model_dir import ModelSpec
 from ..kv.prefix_cache import KvLayers
+from .huge_pages import load_session
 from .model_runner import ModelRunner, StepItem, make_session_options
 from .verify_graph import (
     BIAS,
@@ -69,8 +70,8 @@ class SharedBufferRunner(ModelRunner):
         self.spec = spec
         self.max_slots = max_slots
         self.max_len = max_len
-        self.session = ort.InferenceSession(
-            str(spec.onnx_path), make_session_options(config), providers=["CPUExecutionProvider"]
+        self.session = load_session(
+            str(spec.onnx_path), make_session_options(config), config.huge_pages == "on"
         )
         self._config = config
         # The graph's twin that checks several sequences' guesses in one call
@@ -430,8 +431,8 @@ class SharedBufferRunner(ModelRunner):
                 "session.model_external_initializers_file_folder_path",
                 str(self.spec.onnx_path.parent),
             )
-            self._verifier = ort.InferenceSession(
-                twin.SerializeToString(), options, providers=["CPUExecutionProvider"]
+            self._verifier = load_session(
+                twin.SerializeToString(), options, self._config.huge_pages == "on"
             )
         except Unsupported as exc:
             return str(exc)
