@@ -14,15 +14,7 @@ from genai_service.engine.runner import huge_pages
 from genai_service.engine.runner.shared_buffer_runner import SharedBufferRunner
 from genai_service.model.model_dir import load_model_spec
 
-THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-
-def _thp_mode() -> str | None:
-    try:
-        text = THP_MODE.read_text()
-    except OSError:
-        return None
-    return text[text.index("[") + 1 : text.index("]")]
+HAS_THP = huge_pages.thp_mode() in ("madvise", "always")
 
 
 def _smaps_of(address: int) -> dict[str, str]:
@@ -53,8 +45,8 @@ def test_huge_pages_must_be_on_or_off() -> None:
 
 
 def test_a_region_is_advised_and_collapsed() -> None:
-    if _thp_mode() not in ("madvise", "always"):
-        pytest.skip(f"transparent huge pages are {_thp_mode()!r} here")
+    if not HAS_THP:
+        pytest.skip(f"transparent huge pages are {huge_pages.thp_mode()!r} here")
     size = 16 << 20
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
@@ -69,6 +61,7 @@ def test_a_region_is_advised_and_collapsed() -> None:
         buf.close()
 
 
+@pytest.mark.skipif(not HAS_THP, reason="no transparent huge pages here")
 def test_loading_a_session_leaves_older_mappings_alone(
     tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -93,12 +86,56 @@ def test_loading_a_session_leaves_older_mappings_alone(
         older.close()
 
 
+def test_only_what_a_load_added_is_advised() -> None:
+    # a mapping that grew, one that merged with a new neighbour, one untouched
+    before = [(0x1000, 0x5000), (0x9000, 0xA000), (0x20000, 0x30000)]
+    after = [(0x1000, 0x8000), (0x9000, 0xC000), (0x20000, 0x30000), (0x40000, 0x50000)]
+    assert huge_pages.added(before, after) == [
+        (0x5000, 0x8000),
+        (0xA000, 0xC000),
+        (0x40000, 0x50000),
+    ]
+    assert huge_pages.added(after, after) == []
+    assert huge_pages.added([(0x2000, 0x3000)], [(0x1000, 0x4000)]) == [
+        (0x1000, 0x2000),
+        (0x3000, 0x4000),
+    ]
+
+
+@pytest.mark.skipif(not HAS_THP, reason="no transparent huge pages here")
+def test_a_sessions_new_memory_is_collapsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stand-in session whose "weights" are a fresh 16 MiB mapping: load_session
+    advises exactly that range (so the feature cannot silently find nothing)."""
+    weights: list[mmap.mmap] = []
+
+    def fake_session(*args: object, **kw: object) -> object:
+        buf = mmap.mmap(-1, 16 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        buf.write(b"\1" * (16 << 20))
+        weights.append(buf)
+        return object()
+
+    seen: list[list[tuple[int, int]]] = []
+    real = huge_pages.collapse
+    monkeypatch.setattr(huge_pages.ort, "InferenceSession", fake_session)
+    monkeypatch.setattr(huge_pages, "collapse", lambda ranges: seen.append(ranges) or real(ranges))
+    try:
+        huge_pages.load_session("model.onnx", None, huge_pages=True)  # type: ignore[arg-type]
+        start = _address(weights[0])
+        assert any(lo <= start and start + (16 << 20) <= hi for lo, hi in seen[0])
+        assert "hg" in _smaps_of(start)["VmFlags"].split()
+        huge_pages.load_session("model.onnx", None, huge_pages=False)  # type: ignore[arg-type]
+        assert len(seen) == 1
+    finally:
+        for buf in weights:
+            buf.close()
+
+
 def test_anonymous_mappings_see_a_new_one() -> None:
     before = huge_pages.anonymous_mappings()
     buf = mmap.mmap(-1, 4 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         start = _address(buf)
-        new = huge_pages.anonymous_mappings() - before
+        new = huge_pages.added(before, huge_pages.anonymous_mappings())
         assert any(lo <= start < hi for lo, hi in new)
     finally:
         buf.close()

@@ -2,20 +2,23 @@
 
 A decode step reads all of a session's packed weights (~150 MB at int8 for
 SmolLM2); on 4 KiB pages that is tens of thousands of TLB misses a step, and
-the hardware prefetcher stops at every page edge. ``load_session`` notes this
-process's anonymous mappings before the session loads and, after, advises the
-new ones (where the weights landed) ``MADV_HUGEPAGE`` and collapses them at
-once (``MADV_COLLAPSE``, Linux 6.1+; elsewhere the kernel's khugepaged does it
-in time, or nothing happens where huge pages are off). Only those mappings:
-memory allocated later (activations, a prefill's scratch) stays on the
-system's default pages (docs/design.md, "Processes and planes").
+the hardware prefetcher stops at every page edge. ``load_session`` notes the
+address ranges of this process's anonymous mappings before the session loads
+and, after, advises the ranges the load added (where the weights landed)
+``MADV_HUGEPAGE`` and collapses them at once (``MADV_COLLAPSE``, Linux 6.1+;
+elsewhere the kernel's khugepaged does it in time). Only those ranges: memory
+that was there before (the KV buffers, which ask for small pages) and memory
+allocated later (activations, a prefill's scratch) keeps the system's default
+pages; where the system's transparent huge pages are ``never``, nothing is
+advised (docs/design.md, "Processes and planes").
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import onnxruntime as ort
 import structlog
@@ -24,53 +27,99 @@ log = structlog.get_logger(__name__)
 
 MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25
-HUGE_PAGE = 2 << 20
-MIN_BYTES = 2 * HUGE_PAGE  # smaller mappings are not worth a system call
+THP = Path("/sys/kernel/mm/transparent_hugepage")
+DEFAULT_HUGE_PAGE = 2 << 20
 
-_madvise = None
-
-
-def _libc_madvise():  # noqa: ANN202 (a ctypes function)
-    global _madvise
-    if _madvise is None:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.madvise.restype = ctypes.c_int
-        _madvise = libc.madvise
-    return _madvise
+Range = tuple[int, int]
 
 
-def anonymous_mappings() -> set[tuple[int, int]]:
-    """This process's private writable mappings backed by no file (and the
-    heap), as ``(start, end)``; empty where ``/proc`` is not there."""
+def thp_mode() -> str | None:
+    """The system's transparent-huge-page setting ("always", "madvise",
+    "never"), or None where there is none to read."""
+    try:
+        text = (THP / "enabled").read_text()
+        return text[text.index("[") + 1 : text.index("]")]
+    except (OSError, ValueError):
+        return None
+
+
+def huge_page_size() -> int:
+    try:
+        return int((THP / "hpage_pmd_size").read_text())
+    except (OSError, ValueError):
+        return DEFAULT_HUGE_PAGE
+
+
+def anonymous_mappings() -> list[Range]:
+    """This process's private writable mappings backed by no file (the heap
+    and named anonymous ones included), as ``(start, end)``; empty where
+    ``/proc`` is not there."""
     try:
         lines = Path("/proc/self/maps").read_text().splitlines()
     except OSError:
-        return set()
-    out = set()
+        return []
+    out = []
     for line in lines:
-        fields = line.split()
+        fields = line.split(maxsplit=5)
         if len(fields) < 5 or not fields[1].startswith("rw") or fields[1][3:4] != "p":
             continue
-        if len(fields) == 6 and fields[5] != "[heap]":
+        name = fields[5].strip() if len(fields) == 6 else ""
+        if name and name != "[heap]" and not name.startswith("[anon:"):
             continue  # a file, the stack, vdso...
         lo, hi = (int(x, 16) for x in fields[0].split("-"))
-        out.add((lo, hi))
+        out.append((lo, hi))
     return out
 
 
-def collapse(regions: set[tuple[int, int]]) -> int:
-    """Advise each region's whole huge pages ``MADV_HUGEPAGE`` and collapse
-    them; returns the bytes collapsed at once."""
-    madvise = _libc_madvise()
+def added(before: Iterable[Range], after: Iterable[Range]) -> list[Range]:
+    """The parts of ``after``'s ranges that no range of ``before`` covered:
+    a mapping that grew or merged with a new neighbour adds only its new part."""
+    old = sorted(before)
+    out = []
+    for lo, hi in sorted(after):
+        start = lo
+        for a, b in old:
+            if b <= start or a >= hi:
+                continue
+            if a > start:
+                out.append((start, a))
+            start = max(start, b)
+            if start >= hi:
+                break
+        if start < hi:
+            out.append((start, hi))
+    return out
+
+
+def _madvise() -> Callable[..., int] | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn: Any = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+def collapse(ranges: Iterable[Range]) -> int:
+    """Advise each range's whole huge pages ``MADV_HUGEPAGE`` and collapse
+    them; returns the bytes of the ranges collapsed at once (a range with one
+    huge page left uncollapsed counts none)."""
+    size = huge_page_size()
+    spans = []
+    for lo, hi in ranges:
+        start, end = -(-lo // size) * size, hi // size * size
+        if end - start >= 2 * size:  # smaller ones are not worth a system call
+            spans.append((start, end))
+    madvise = _madvise() if spans else None
+    if madvise is None:
+        return 0
     done = 0
-    for lo, hi in sorted(regions):
-        start = -(-lo // HUGE_PAGE) * HUGE_PAGE
-        end = hi // HUGE_PAGE * HUGE_PAGE
-        if end - start < MIN_BYTES:
-            continue
+    for start, end in spans:
         if madvise(start, end - start, MADV_HUGEPAGE) != 0:
-            continue  # huge pages unsupported here
+            log.debug("madvise_hugepage_failed", errno=ctypes.get_errno())
+            continue
         if madvise(start, end - start, MADV_COLLAPSE) == 0:
             done += end - start
     return done
@@ -80,11 +129,12 @@ def load_session(
     model: str | bytes, options: ort.SessionOptions, huge_pages: bool
 ) -> ort.InferenceSession:
     """An ``InferenceSession`` on the CPU, its weights on huge pages when
-    ``huge_pages`` (see the module's docstring)."""
-    before = anonymous_mappings() if huge_pages else set()
+    ``huge_pages`` and the system has them (see the module's docstring)."""
+    wanted = huge_pages and thp_mode() in ("madvise", "always")
+    before = anonymous_mappings() if wanted else []
     session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
-    if huge_pages:
-        new = anonymous_mappings() - before
+    if wanted:
+        new = added(before, anonymous_mappings())
         collapsed = collapse(new)
-        log.debug("session_huge_pages", mappings=len(new), collapsed_bytes=collapsed)
+        log.debug("session_huge_pages", ranges=len(new), collapsed_bytes=collapsed)
     return session
