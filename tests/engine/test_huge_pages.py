@@ -67,7 +67,7 @@ def test_loading_a_session_leaves_older_mappings_alone(
 ) -> None:
     older = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     older.madvise(mmap.MADV_NOHUGEPAGE)
-    seen: list[set[tuple[int, int]]] = []
+    seen: list[list[tuple[int, int]]] = []
     real = huge_pages.collapse
     monkeypatch.setattr(
         huge_pages, "collapse", lambda regions: seen.append(regions) or real(regions)
@@ -119,11 +119,11 @@ def test_a_sessions_new_memory_is_collapsed(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(huge_pages.ort, "InferenceSession", fake_session)
     monkeypatch.setattr(huge_pages, "collapse", lambda ranges: seen.append(ranges) or real(ranges))
     try:
-        huge_pages.load_session("model.onnx", None, huge_pages=True)  # type: ignore[arg-type]
+        huge_pages.load_session("model.onnx", None, RunnerConfig())  # type: ignore[arg-type]
         start = _address(weights[0])
         assert any(lo <= start and start + (16 << 20) <= hi for lo, hi in seen[0])
         assert "hg" in _smaps_of(start)["VmFlags"].split()
-        huge_pages.load_session("model.onnx", None, huge_pages=False)  # type: ignore[arg-type]
+        huge_pages.load_session("model.onnx", None, RunnerConfig(huge_pages="off"))  # type: ignore[arg-type]
         assert len(seen) == 1
     finally:
         for buf in weights:

@@ -778,13 +778,6 @@ def test_a_request_id_already_in_flight_is_invalid_argument(channel: grpc.Channe
     running.cancel()
 
 
-def test_huge_pages_must_be_on_or_off() -> None:
-    from genai_service.config import RunnerConfig
-
-    with pytest.raises(ValueError, match="huge_pages must be one of on, off; got 'yes'"):
-        RunnerConfig(huge_pages="yes")
-
-
 def test_the_engine_outbox_keeps_order_flushes_on_close_and_notes_a_broken_pipe() -> None:
     import multiprocessing as mp
 

@@ -23,6 +23,8 @@ from typing import Any
 import onnxruntime as ort
 import structlog
 
+from ...config import RunnerConfig
+
 log = structlog.get_logger(__name__)
 
 MADV_HUGEPAGE = 14
@@ -126,11 +128,12 @@ def collapse(ranges: Iterable[Range]) -> int:
 
 
 def load_session(
-    model: str | bytes, options: ort.SessionOptions, huge_pages: bool
+    model: str | bytes, options: ort.SessionOptions, config: RunnerConfig
 ) -> ort.InferenceSession:
     """An ``InferenceSession`` on the CPU, its weights on huge pages when
-    ``huge_pages`` and the system has them (see the module's docstring)."""
-    wanted = huge_pages and thp_mode() in ("madvise", "always")
+    ``config.huge_pages`` is "on" and the system has them (see the module's
+    docstring)."""
+    wanted = config.huge_pages == "on" and thp_mode() in ("madvise", "always")
     before = anonymous_mappings() if wanted else []
     session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
     if wanted:

@@ -171,9 +171,7 @@ class PastPresentRunner(ModelRunner):
 
     def __init__(self, spec: ModelSpec, config: RunnerConfig) -> None:
         self.spec = spec
-        self.session = load_session(
-            str(spec.onnx_path), make_session_options(config), config.huge_pages == "on"
-        )
+        self.session = load_session(str(spec.onnx_path), make_session_options(config), config)
         self._dtype = np.dtype(spec.kv.dtype)
         self._right_pad = spec.uses_gqa
         self._output_names = ["logits"] + [n for pair in spec.present_names for n in pair]

@@ -70,9 +70,7 @@ class SharedBufferRunner(ModelRunner):
         self.spec = spec
         self.max_slots = max_slots
         self.max_len = max_len
-        self.session = load_session(
-            str(spec.onnx_path), make_session_options(config), config.huge_pages == "on"
-        )
+        self.session = load_session(str(spec.onnx_path), make_session_options(config), config)
         self._config = config
         # The graph's twin that checks several sequences' guesses in one call
         # (GroupQueryAttention graphs, once ``prepare_verify_batch`` made it).
@@ -431,9 +429,7 @@ class SharedBufferRunner(ModelRunner):
                 "session.model_external_initializers_file_folder_path",
                 str(self.spec.onnx_path.parent),
             )
-            self._verifier = load_session(
-                twin.SerializeToString(), options, self._config.huge_pages == "on"
-            )
+            self._verifier = load_session(twin.SerializeToString(), options, self._config)
         except Unsupported as exc:
             return str(exc)
         except Exception as exc:  # an ORT or ONNX error: a speed-up lost, not the engine
