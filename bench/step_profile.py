@@ -8,8 +8,8 @@ Runs ``LLMEngine`` in this process on a model (the default one unless
    ``session.run``) and the sampler (``TokenPicker.pick``) are timed; the
    "engine loop" is the rest of ``LLMEngine.step`` (the issue's "engine-loop
    Python per decode step"). Sending the step's ``Outputs`` down a real pipe
-   (what the engine process's outbox thread does, overlapping the next step)
-   is timed apart.
+   (what the engine process's outbox does after each step, from the loop
+   while the pipe has room) is timed apart.
 2. probed: each stage wrapped in a timer (exclusive times; the probes cost
    a little themselves), for the breakdown table.
 
@@ -284,7 +284,8 @@ def markdown(result: dict[str, Any]) -> list[str]:
         f"In-process `LLMEngine`, default model, {result['threads']} threads, greedy steady "
         f"decode, {result['reps']} x {result['steps']} steps; this thread's CPU time per "
         "step (medians, microseconds). The engine loop is `LLMEngine.step` minus the ONNX "
-        "Runtime call and the sampler; the pipe send runs on the outbox thread.",
+        "Runtime call and the sampler; the pipe send (pickle and write) is timed apart: the "
+        "engine process's outbox does it from the loop when the pipe has room.",
         "",
         "| batch | step wall | ONNX Runtime | sampler | engine loop | pipe send |",
         "|---|---|---|---|---|---|",

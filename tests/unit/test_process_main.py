@@ -219,3 +219,36 @@ def test_the_frontend_reads_the_engines_messages_however_the_bytes_arrive() -> N
         assert [type(m) for m in got] == [type(m) for m in sent]
         assert got[:3] == sent[:3]
         assert isinstance(got[3], CallFailed) and got[3].error.message == "no session 's'"
+
+
+@pytest.mark.parametrize("duplex", [False, True], ids=["pipe", "socket pair"])
+def test_the_outbox_writes_at_once_when_there_is_room_and_queues_behind_what_waits(
+    duplex: bool,
+) -> None:
+    """A small message leaves from the loop before ``send`` returns; a large
+    one, or any while the pipe is full, goes to the outbox thread, and later
+    messages queue behind it: the reader gets them all in order, and ``send``
+    never waited for the reader."""
+    reader, writer = mp.Pipe(duplex=duplex)
+    outbox = Outbox(writer)
+    outbox.send(Outputs((RequestOutput("now"),)))
+    assert reader.poll(0)  # written by send() itself
+    assert reader.recv() == Outputs((RequestOutput("now"),))
+
+    big = Outputs((RequestOutput("big", (), "x" * 200_000),))  # more than the pipe holds
+    outbox.send(big)
+    for i in range(3):
+        outbox.send(Outputs((RequestOutput(f"after-big-{i}"),)))
+    assert reader.recv() == big
+    assert [reader.recv().outputs[0].request_id for _ in range(3)] == [
+        f"after-big-{i}" for i in range(3)
+    ]
+
+    # A pipe that nobody reads fills up: the first messages are written at
+    # once, the rest wait for the thread, and none is lost or reordered.
+    n = 2_000  # ~0.6 MB of small messages
+    for i in range(n):
+        outbox.send(Outputs((RequestOutput(f"m{i}"),)))
+    assert [reader.recv().outputs[0].request_id for _ in range(n)] == [f"m{i}" for i in range(n)]
+    outbox.close()
+    assert not reader.poll(0) and not outbox.broken
