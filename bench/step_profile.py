@@ -8,8 +8,8 @@ Runs ``LLMEngine`` in this process on a model (the default one unless
    ``session.run``) and the sampler (``TokenPicker.pick``) are timed; the
    "engine loop" is the rest of ``LLMEngine.step`` (the issue's "engine-loop
    Python per decode step"). Sending the step's ``Outputs`` down a real pipe
-   (what the engine process's outbox does after each step, from the loop
-   while the pipe has room) is timed apart.
+   (what the engine process's outbox does after each step: the pickle on the
+   loop, the write too while the pipe has room) is timed apart.
 2. probed: each stage wrapped in a timer (exclusive times; the probes cost
    a little themselves), for the breakdown table.
 
@@ -285,7 +285,8 @@ def markdown(result: dict[str, Any]) -> list[str]:
         f"decode, {result['reps']} x {result['steps']} steps; this thread's CPU time per "
         "step (medians, microseconds). The engine loop is `LLMEngine.step` minus the ONNX "
         "Runtime call and the sampler; the pipe send (pickle and write) is timed apart: the "
-        "engine process's outbox does it from the loop when the pipe has room.",
+        "engine process's outbox pickles on the loop and writes from it when the pipe has "
+        "room (else its thread writes).",
         "",
         "| batch | step wall | ONNX Runtime | sampler | engine loop | pipe send |",
         "|---|---|---|---|---|---|",

@@ -69,7 +69,8 @@ WAIT_POLL_S = 0.002
 # A step's outputs go out from the engine loop itself when their pickle fits in
 # this many bytes and the pipe has room: with the 4-byte length Connection puts
 # before it, one write of at most PIPE_BUF (4,096) bytes, which a pipe that
-# polls writable takes whole (a socket pair: anything up to half its buffer).
+# polls writable takes whole (a stream socket that polls writable has at least
+# three quarters of its send buffer free).
 DIRECT_MAX_BYTES = select.PIPE_BUF - 4
 
 
@@ -239,7 +240,7 @@ def add_request(engine: LLMEngine, request: GenerationRequest) -> RequestOutput 
 
 
 def serve(engine: LLMEngine, conn: Connection, outbox: Outbox) -> None:
-    """The engine process's loop: take messages, step, queue outputs."""
+    """The engine process's loop: take messages, step, hand outputs to the outbox."""
     while not outbox.broken:
         # Block when there is nothing to step; nap briefly when the only work is
         # waiting on I/O (kvstore fetches, session records).

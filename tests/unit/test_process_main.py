@@ -235,8 +235,9 @@ def test_the_outbox_writes_at_once_when_there_is_room_and_queues_behind_what_wai
     assert reader.poll(0)  # written by send() itself
     assert reader.recv() == Outputs((RequestOutput("now"),))
 
-    big = Outputs((RequestOutput("big", (), "x" * 200_000),))  # more than the pipe holds
+    big = Outputs((RequestOutput("big", (), "x" * 2_000_000),))  # more than the pipe holds
     outbox.send(big)
+    assert outbox._behind  # the thread holds it, blocked until the reader reads
     for i in range(3):
         outbox.send(Outputs((RequestOutput(f"after-big-{i}"),)))
     assert reader.recv() == big
@@ -249,6 +250,9 @@ def test_the_outbox_writes_at_once_when_there_is_room_and_queues_behind_what_wai
     n = 2_000  # ~0.6 MB of small messages
     for i in range(n):
         outbox.send(Outputs((RequestOutput(f"m{i}"),)))
+    assert outbox._behind  # the pipe filled up: the rest went to the thread
     assert [reader.recv().outputs[0].request_id for _ in range(n)] == [f"m{i}" for i in range(n)]
     outbox.close()
     assert not reader.poll(0) and not outbox.broken
+    reader.close()
+    writer.close()
