@@ -26,7 +26,7 @@ from genai_proto.genai.v1 import (
     session_pb2_grpc,
 )
 from genai_service.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
-from genai_service.contract.request import GenerationRequest, RequestOutput, StoppingCriteria
+from genai_service.contract.request import GenerationRequest, StoppingCriteria
 from genai_service.engine.engine import LLMEngine
 from tests.server_harness import ServerThread, free_port
 from tests.tiny_model import encode_words
@@ -776,32 +776,6 @@ def test_a_request_id_already_in_flight_is_invalid_argument(channel: grpc.Channe
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert msg == "request_id: 'same-id' is already in flight"
     running.cancel()
-
-
-def test_the_engine_outbox_keeps_order_flushes_on_close_and_notes_a_broken_pipe() -> None:
-    import multiprocessing as mp
-
-    from genai_service.contract.protocol import Outputs
-    from genai_service.engine.process_main import Outbox
-
-    reader, writer = mp.Pipe(duplex=False)
-    outbox = Outbox(writer)
-    # 100 messages of ~330 bytes: within the pipe's 64 KiB, which nothing reads
-    # until close() has returned.
-    for i in range(100):
-        outbox.send(Outputs((RequestOutput(f"r{i}"),)))
-    outbox.close()  # returns once everything queued is written
-    assert [reader.recv().outputs[0].request_id for _ in range(100)] == [
-        f"r{i}" for i in range(100)
-    ]
-    assert not reader.poll() and not outbox.broken
-
-    reader, writer = mp.Pipe(duplex=False)
-    reader.close()  # the frontend is gone
-    outbox = Outbox(writer)
-    outbox.send(Outputs(()))
-    outbox.close()
-    assert outbox.broken  # the engine loop stops on this
 
 
 def test_steps_a_stalled_frontend_missed_arrive_as_one_delta(

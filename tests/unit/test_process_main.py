@@ -221,6 +221,27 @@ def test_the_frontend_reads_the_engines_messages_however_the_bytes_arrive() -> N
         assert isinstance(got[3], CallFailed) and got[3].error.message == "no session 's'"
 
 
+def test_the_engine_outbox_keeps_order_flushes_on_close_and_notes_a_broken_pipe() -> None:
+    reader, writer = mp.Pipe(duplex=False)
+    outbox = Outbox(writer)
+    # 100 messages of ~330 bytes: within the pipe's 64 KiB, which nothing reads
+    # until close() has returned.
+    for i in range(100):
+        outbox.send(Outputs((RequestOutput(f"r{i}"),)))
+    outbox.close()  # returns once everything queued is written
+    assert [reader.recv().outputs[0].request_id for _ in range(100)] == [
+        f"r{i}" for i in range(100)
+    ]
+    assert not reader.poll() and not outbox.broken
+
+    reader, writer = mp.Pipe(duplex=False)
+    reader.close()  # the frontend is gone
+    outbox = Outbox(writer)
+    outbox.send(Outputs(()))
+    outbox.close()
+    assert outbox.broken  # the engine loop stops on this
+
+
 @pytest.mark.parametrize("duplex", [False, True], ids=["pipe", "socket pair"])
 def test_the_outbox_writes_at_once_when_there_is_room_and_queues_behind_what_waits(
     duplex: bool,
