@@ -8,8 +8,8 @@ Runs ``LLMEngine`` in this process on a model (the default one unless
    ``session.run``) and the sampler (``TokenPicker.pick``) are timed; the
    "engine loop" is the rest of ``LLMEngine.step`` (the issue's "engine-loop
    Python per decode step"). Sending the step's ``Outputs`` down a real pipe
-   (what the engine process's outbox does after each step: the pickle on the
-   loop, the write too while the pipe has room) is timed apart.
+   through the engine process's own ``Outbox`` (the pickle on the loop, the
+   write too while the pipe has room) is timed apart.
 2. probed: each stage wrapped in a timer (exclusive times; the probes cost
    a little themselves), for the breakdown table.
 
@@ -36,6 +36,7 @@ from genai_service.config import EngineConfig, RunnerConfig, SchedulerConfig
 from genai_service.contract.protocol import Outputs
 from genai_service.contract.request import GenerationRequest, SamplingParams, StoppingCriteria
 from genai_service.engine.engine import LLMEngine
+from genai_service.engine.process_main import Outbox
 from genai_service.engine.text import detokenizer, stops, text_output
 
 from .workload import SAMPLINGS
@@ -220,7 +221,7 @@ NOTES = {
     "detokenizer": "IncrementalDetokenizer.add",
     "stop_matcher": "StopStringMatcher.feed",
     "step": "LLMEngine.step (own: lists, drain)",
-    "pipe": "Outputs(...) + Connection.send (pickle, write)",
+    "pipe": "Outputs(...) + the engine's Outbox.send (pickle, poll, write)",
 }
 
 
@@ -260,16 +261,18 @@ def summary(
     reader, writer = mp.Pipe(duplex=False)
     drain = mp.get_context("spawn").Process(target=_drain, args=(reader,), daemon=True)
     drain.start()
+    outbox = Outbox(writer)  # the engine process's own sender
     out: dict[str, Any] = {"steps": steps, "reps": reps, "threads": threads, "by_batch": {}}
     try:
         for batch in batches:
             bare: list[dict[str, float]] = []
             for _ in range(reps):
-                bare += measure(engine, batch, steps, writer.send, probed=False)
+                bare += measure(engine, batch, steps, outbox.send, probed=False)
             out["by_batch"][str(batch)] = {
                 key: _median(bare, key) for key in ("wall", "ort", "sampler", "loop", "pipe")
             }
     finally:
+        outbox.close()
         writer.send_bytes(b"")
         drain.join(5)
         engine.close()
@@ -321,19 +324,21 @@ def main() -> None:
     reader, writer = mp.Pipe(duplex=False)
     drain = mp.get_context("spawn").Process(target=_drain, args=(reader,), daemon=True)
     drain.start()
+    outbox = Outbox(writer)
     try:
         for batch in args.batch:
             bare: list[dict[str, float]] = []
             probed: list[dict[str, float]] = []
             for _ in range(args.reps):  # interleaved, so drift hits both alike
                 bare += measure(
-                    engine, batch, args.steps, writer.send, False, sampling=args.sampling
+                    engine, batch, args.steps, outbox.send, False, sampling=args.sampling
                 )
                 probed += measure(
-                    engine, batch, args.steps, writer.send, True, sampling=args.sampling
+                    engine, batch, args.steps, outbox.send, True, sampling=args.sampling
                 )
             report(batch, bare, probed)
     finally:
+        outbox.close()
         writer.send_bytes(b"")
         drain.join(5)
 
