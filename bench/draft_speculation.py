@@ -47,13 +47,16 @@ server's engine process does beside a draft, is process-wide for good): with
 ``create_runner(..., RunnerConfig(shared_thread_pool=True), max_slots=4)``,
 the median ms of a one-token decode step at 100 tokens of context for fp32,
 int8, int4 and the poor draft, and of the target's check of K+1 tokens
-(``runner.verify``). c = draft step / target step. The expected speed-up is
-E * T_target / (K * T_draft + T_verify), with E = (1 - α^(K+1)) / (1 - α)
-the tokens per check for a per-token acceptance α. The metrics give
-f = accepted / drafted, the mean fraction of a K-token draft kept, which is
-smaller than α (a draft's tokens after its first miss are never kept): α is
-solved from f = α(1 - α^K) / (K(1 - α)), which makes E = 1 + K·f, the tokens
-per check actually observed.
+(``runner.verify``). c = draft step / target step. A guess is at most K
+tokens and ends earlier after a token the draft doubts
+(``--draft-min-confidence``), so the model reads the guesses as they were
+from the server's counters (``genai_engine_spec_guesses``, ``..._draft_tokens``,
+``..._accepted_tokens``, proposer "draft"): L = draft tokens / guesses, the
+mean guess, and E = 1 + accepted / guesses, the tokens per check. A round
+costs L draft steps and a check of L + 1 tokens, whose cost is taken linear
+between a one-token step and the K+1-token check:
+T_check(L) = T_target + (T_verify − T_target) · L / K. The expected speed-up
+is E · T_target / (L · T_draft + T_check(L)).
 
 ``measure() -> dict`` and ``markdown(result) -> list[str]`` are the API for
 ``bench.run`` (section "draft_speculation").
@@ -84,7 +87,11 @@ from unittest import mock
 from .procs import REPO, free_port
 from .workload import TokenSource, concurrency_stats, median, stream_stats
 
-K = 5  # draft tokens per check (--k)
+# Draft tokens per check at most (--k); guesses end earlier where the draft doubts
+# a token (--draft-min-confidence at its default). K = 10 paid a few per cent more
+# on one stream in-process but cost the poor draft and 4 streams far more
+# (docs/design.md, "Speculative decoding").
+K = 5
 POOR_LAYERS = 4  # layers the poor draft keeps, of the default model's 30
 COST_CONTEXT = 100  # tokens of context of the cost model's steps
 COST_ROUNDS = 40
@@ -285,31 +292,23 @@ def _cost_model_child(dirs: dict[str, str], threads: int, k: int, timeout_s: flo
         return result
 
 
-def alpha_from_fraction(f: float, k: int) -> float:
-    """The per-token acceptance α whose K-token drafts keep a fraction ``f`` of
-    their tokens on average: f = α(1 - α^K) / (K(1 - α)), increasing in α."""
-    if f != f:  # NaN: nothing drafted
-        return f
-    if f <= 0:
-        return 0.0
-    if f >= 1:
-        return 1.0
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        a = (lo + hi) / 2
-        kept = sum(a**i for i in range(1, k + 1)) / k
-        lo, hi = (a, hi) if kept < f else (lo, a)
-    return (lo + hi) / 2
-
-
 def expected_speedup(
-    alpha: float, k: int, target_ms: float, draft_ms: float, verify_ms: float
-) -> tuple[float, float]:
-    """E * T_target / (K * T_draft + T_verify), E = (1 - α^(K+1)) / (1 - α)."""
-    if alpha != alpha:
-        return float("nan"), float("nan")
-    e = float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return e, e * target_ms / (k * draft_ms + verify_ms)
+    guesses: float,
+    drafted: float,
+    accepted: float,
+    k: int,
+    target_ms: float,
+    draft_ms: float,
+    verify_ms: float,
+) -> tuple[float, float, float]:
+    """(L, E, E · T_target / (L · T_draft + T_check(L))) for the observed guesses:
+    L = drafted / guesses, E = 1 + accepted / guesses, T_check linear in L
+    between a one-token step (0) and the K+1-token check (K)."""
+    if not guesses:
+        return float("nan"), float("nan"), float("nan")
+    mean, e = drafted / guesses, 1 + accepted / guesses
+    check_ms = target_ms + (verify_ms - target_ms) * mean / k
+    return mean, e, e * target_ms / (mean * draft_ms + check_ms)
 
 
 # -- the servers -----------------------------------------------------------------
@@ -325,7 +324,9 @@ class Running:
 
 
 _SPEC = re.compile(
-    r'^genai_engine_spec_(draft|accepted)_tokens\{proposer="draft"\} ([0-9.eE+-]+)$', re.M
+    r'^genai_engine_spec_(guesses|draft_tokens|accepted_tokens)\{proposer="draft"\} '
+    r"([0-9.eE+-]+)$",
+    re.M,
 )
 _salts = itertools.count()
 
@@ -335,15 +336,22 @@ def _salt() -> str:
     return f"bench-draft-{os.getpid()}-{next(_salts)}"
 
 
-def _spec_counts(port: int) -> tuple[float, float]:
-    """The draft proposer's (draft, accepted) token counters on one server's /metrics."""
+Counts = tuple[float, float, float]  # the draft proposer's draft tokens, accepted, guesses
+
+
+def _spec_counts(port: int) -> Counts:
+    """The draft proposer's counters on one server's /metrics."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
         text = reply.read().decode()
     found = {m[1]: float(m[2]) for m in _SPEC.finditer(text)}
-    return found.get("draft", 0.0), found.get("accepted", 0.0)
+    return (
+        found.get("draft_tokens", 0.0),
+        found.get("accepted_tokens", 0.0),
+        found.get("guesses", 0.0),
+    )
 
 
-def _counters(running: dict[str, Running]) -> dict[str, tuple[float, float]]:
+def _counters(running: dict[str, Running]) -> dict[str, Counts]:
     """Every server's counters once they are settled: the frontend polls the
     engine's every 0.5 s, so read until two reads 0.6 s apart agree (bounded)."""
     time.sleep(1.0)
@@ -496,7 +504,7 @@ def _shape_row(
     plain_per_rep: list[list[dict]],
     rate_key: str,
     ttft_key: str,
-    counts: tuple[float, float],
+    counts: Counts,
     same: tuple[int, int],
 ) -> dict:
     """One engine's row of a shape and sampling: medians, the per-rep ratio to
@@ -506,7 +514,7 @@ def _shape_row(
         median(mine) / median([r[rate_key] for r in plain])
         for mine, plain in zip(rates, plain_per_rep, strict=True)
     ]
-    drafted, accepted = counts
+    drafted, accepted, guesses = counts
     return {
         "decode_tok_s": median([x for rep in rates for x in rep]),
         "ttft_s": median([r[ttft_key] for rep in per_rep for r in rep]),
@@ -514,6 +522,7 @@ def _shape_row(
         "ratio_per_rep": ratios,
         "draft_tokens": drafted,
         "accepted_tokens": accepted,
+        "guesses": guesses,
         "acceptance": accepted / drafted if drafted else float("nan"),
         "identical": same[0],
         "compared": same[1],
@@ -523,8 +532,8 @@ def _shape_row(
     }
 
 
-def _diff(after: tuple[float, float], before: tuple[float, float]) -> tuple[float, float]:
-    return after[0] - before[0], after[1] - before[1]
+def _diff(after: Counts, before: Counts) -> Counts:
+    return after[0] - before[0], after[1] - before[1], after[2] - before[2]
 
 
 def _run_shape(
@@ -625,9 +634,10 @@ def measure(
             engine = next(e for e in ENGINES if e.name == name)
             if engine.draft is None:
                 continue
-            row["alpha"] = alpha_from_fraction(row["acceptance"], k)
-            row["tokens_per_check"], row["expected_ratio"] = expected_speedup(
-                row["alpha"],
+            row["mean_guess"], row["tokens_per_check"], row["expected_ratio"] = expected_speedup(
+                row["guesses"],
+                row["draft_tokens"],
+                row["accepted_tokens"],
                 k,
                 cost["step_ms"]["fp32"],
                 cost["step_ms"][engine.draft],
@@ -723,14 +733,15 @@ def markdown(result: dict[str, Any]) -> list[str]:
     k, cost = r["k"], r["cost_model"]
     lines = [
         f"Target: the default GGUF converted to fp32; drafts: its int4 and int8 conversions "
-        f"and a bench-only poor draft (its first {POOR_LAYERS} layers, int4); K = {k} draft "
-        f"tokens per check; every engine its own `genai-server` ({r['threads']} intra-op "
+        f"and a bench-only poor draft (its first {POOR_LAYERS} layers, int4); at most K = {k} "
+        f"draft tokens per check (`--speculate {k}`, the confidence stop at its default); "
+        f"every engine its own `genai-server` ({r['threads']} intra-op "
         f"threads), the runs of each rep taking turns across them. {len(r['prompts'])} chat "
         f"prompts (stories, explanations), {r['new_tokens']} new tokens, EOS ignored, greedy "
         f"and sampled (temperature {r['temperature']}, a seed per prompt), no prompt KV reused; "
         f"median of {r['reps']} rep(s). × plain: the median over reps of the rep's ratio. "
         "Acceptance f: accepted / draft tokens (the server's counters over the shape); "
-        "expected ×: the cost model's (below) for that f; identical: token lists equal to "
+        "expected ×: the cost model's (below) for those guesses; identical: token lists equal to "
         "plain's.",
         "",
     ]
@@ -774,12 +785,13 @@ def markdown(result: dict[str, Any]) -> list[str]:
         f"draft; one-token decode step at {cost['context']} tokens of context, median of "
         f"{cost['rounds']}). The fp32 target's check of {k + 1} tokens: "
         f"{_f(cost['verify_ms'])} ms ({_f(cost['verify_ms'] / target_ms)}× its step). "
-        "α: the per-token acceptance for the single-stream f (f = α(1−α^K)/(K(1−α))); "
-        "E = (1−α^(K+1))/(1−α) tokens per check (= 1 + K·f); expected × = "
-        "E·T_target / (K·c·T_target + T_verify).",
+        "From the single-stream counters: L = draft tokens / guesses (the mean guess; at "
+        "most K, shorter where the draft doubted a token), E = 1 + accepted / guesses "
+        "(tokens per check); expected × = E·T_target / (L·c·T_target + T_check(L)), "
+        "T_check(L) = T_target + (T_verify − T_target)·L/K.",
         "",
-        "| model | layers | step ms | c = step / target's | α greedy | E greedy "
-        "| expected × greedy | α sampled | E sampled | expected × sampled |",
+        "| model | layers | step ms | c = step / target's | L greedy | E greedy "
+        "| expected × greedy | L sampled | E sampled | expected × sampled |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for model, label in COST_MODELS.items():
@@ -793,7 +805,7 @@ def markdown(result: dict[str, Any]) -> list[str]:
         for sampling in SAMPLINGS:
             row = r["single"][sampling][engine] if engine else {}
             cells += [
-                _f(row.get("alpha")),
+                _f(row.get("mean_guess")),
                 _f(row.get("tokens_per_check")),
                 _f(row.get("expected_ratio")),
             ]

@@ -81,6 +81,9 @@ class SchedulerConfig:
 
 
 MAX_DRAFT_TOKENS = 32  # a check of that many tokens costs several plain steps
+# A draft's guess ends after a token it gives less probability (docs/design.md,
+# "Speculative decoding": measured on the default model's fp32 + int4 pair).
+DRAFT_MIN_CONFIDENCE = 0.2
 SPECULATIVE_MODES = ("auto", "prompt-lookup", "draft")
 SPECULATION_BATCH_RULES = ("measured", "always")
 
@@ -101,8 +104,9 @@ class SpeculationConfig:
     While at most ``max_batch`` sequences are decoding, each one's next
     ``num_tokens`` tokens are guessed, by prompt lookup (an earlier occurrence
     of its last ``ngram_max``..``ngram_min`` tokens in its own context) or by
-    a draft model (``draft_model``; ``mode`` says which), and one step checks
-    the guess: every guessed token the model agrees with comes out of that
+    a draft model (``draft_model``; ``mode`` says which; its guess ends early
+    after a token to which it gives less than ``min_confidence``), and one step
+    checks the guess: every guessed token the model agrees with comes out of that
     step too. From two sequences up, ``batch_rule`` "measured" guesses at a
     batch size only while guessing steps there are measured to give tokens
     faster than plain ones ("always": at every step). Tokens are chosen as
@@ -136,6 +140,13 @@ class SpeculationConfig:
         help="who drafts: prompt lookup, the draft model, or auto (the draft model, prompt "
         "lookup where its guess is longer; prompt lookup alone without --draft-model)",
         choices=SPECULATIVE_MODES,
+    )
+    min_confidence: float = flag(
+        DRAFT_MIN_CONFIDENCE,
+        name="draft-min-confidence",
+        help="a draft model's guess ends after a token to which the draft gives less than "
+        "P probability (0: always N tokens)",
+        metavar="P",
     )
     batch_rule: str = flag(
         "measured",
@@ -182,6 +193,8 @@ class SpeculationConfig:
             raise ValueError(
                 "--speculative-mode prompt-lookup never uses --draft-model (use draft or auto)"
             )
+        if not 0.0 <= self.min_confidence < 1.0:
+            raise ValueError(f"--draft-min-confidence must be in [0, 1), got {self.min_confidence}")
         _positive("speculation max_batch", self.max_batch)
         _positive("speculation ngram_min", self.ngram_min)
         if self.ngram_max < self.ngram_min:

@@ -202,6 +202,7 @@ class LLMEngine(InProcessDriver):
             catchup_tokens=config.scheduler.max_num_batched_tokens,
             parked_bytes=config.sessions.max_parked_kv_bytes,
             pick=self.picker.guess_after,
+            min_confidence=spec.min_confidence,
         )
 
     def _slide_policy(self, config: EngineConfig, window: int) -> tuple[SlidePolicy | None, str]:

@@ -35,7 +35,11 @@ VLLM_NAMES = {
 
 
 # Engine counters kept per label value as "name.value": the label's name.
-_LABELS = {"spec_draft_tokens": "proposer", "spec_accepted_tokens": "proposer"}
+_LABELS = {
+    "spec_guesses": "proposer",
+    "spec_draft_tokens": "proposer",
+    "spec_accepted_tokens": "proposer",
+}
 
 
 class _EngineStats(Collector):

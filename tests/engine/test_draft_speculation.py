@@ -26,7 +26,7 @@ from genai_service.contract.request import (
 from genai_service.engine.engine import LLMEngine
 from genai_service.engine.runner.model_runner import PastPresentRunner, StepItem
 from genai_service.engine.sampling import sampler
-from genai_service.engine.speculation import DraftModel
+from genai_service.engine.speculation import DraftModel, draft_model
 from genai_service.model.model_dir import load_model_spec
 from tests.tiny_model import GQA_SPEC, TinyModelSpec, build_tiny_model, encode_bytes, encode_words
 
@@ -49,14 +49,26 @@ def drafts(
 
 
 def engine_for(
-    target: Path, draft: Path | None, num_tokens: int = 4, max_batch: int = 4, **kw: object
+    target: Path,
+    draft: Path | None,
+    num_tokens: int = 4,
+    max_batch: int = 4,
+    min_confidence: float = 0.0,
+    **kw: object,
 ) -> LLMEngine:
     # batch rule "always": what the measured rule chooses depends on timing;
     # these tests check what speculation computes (the rule's own tests:
-    # test_speculation_batch_rule.py).
+    # test_speculation_batch_rule.py). No confidence stop unless asked: the tiny
+    # models' flat distributions would end nearly every guess at its first token
+    # (its own tests: test_an_unsure_draft_ends_its_guess*).
     spec = (
         SpeculationConfig(
-            num_tokens, max_batch, draft_model=str(draft), mode="draft", batch_rule="always"
+            num_tokens,
+            max_batch,
+            draft_model=str(draft),
+            mode="draft",
+            batch_rule="always",
+            min_confidence=min_confidence,
         )
         if draft is not None
         else SpeculationConfig()
@@ -131,6 +143,7 @@ def test_a_right_draft_gives_k_plus_one_tokens_per_step(
     # prefill gives the first token; then 4 guesses + 1 per step; 12 left = 5 + 5 + 2
     assert steps == [1, 5, 5, 2]
     assert engine.counters["spec_accepted_tokens"] == engine.counters["spec_draft_tokens"] == 9
+    assert engine.counters["spec_guesses"] == engine.counters["spec_guesses.draft"] == 3
 
 
 @pytest.mark.parametrize("constant", [True, False])
@@ -153,6 +166,111 @@ def test_a_right_draft_guesses_every_sampled_pick(
     c = engine.counters
     assert c["spec_accepted_tokens"] == c["spec_draft_tokens"] == 16
     assert bool(guesses) == constant
+
+
+def test_guess_probability_is_the_drafts_softmax_at_the_requests_temperature() -> None:
+    row = np.random.default_rng(3).normal(0.0, 3.0, 500).astype(np.float32)
+    for temperature in (1.0, 0.7):
+        z = row.astype(np.float64) / temperature
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        for token in (int(np.argmax(row)), 17):
+            got = draft_model.guess_probability(row, token, temperature)
+            assert got == pytest.approx(p[token], rel=1e-5)
+
+
+@pytest.mark.parametrize("sampling", [None, SAMPLED], ids=["greedy", "sampled"])
+def test_an_unsure_draft_ends_its_guess_after_the_token_it_doubts(
+    sampling: SamplingParams | None,
+    tiny_models: dict[str, Path],
+    drafts: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--draft-min-confidence: a guess ends after its first token to which the
+    draft gives less probability, or at N (or the request's room); the tokens
+    stay a plain decode's."""
+    tau, n = 0.2, 4
+    seen: list[float] = []
+    probability = draft_model.guess_probability
+    monkeypatch.setattr(
+        draft_model, "guess_probability", lambda *a: seen.append(probability(*a)) or seen[-1]
+    )
+    calls: list[tuple[list[float], int, list[int]]] = []
+    propose = DraftModel.propose
+
+    def recorded(self: DraftModel, wants: list) -> dict[int, list[int]]:
+        if not wants:
+            return propose(self, wants)
+        seen.clear()
+        out = propose(self, wants)
+        calls.append((list(seen), min(n, wants[0].limit), list(out.values())[0] if out else []))
+        return out
+
+    monkeypatch.setattr(DraftModel, "propose", recorded)
+    kw = {} if sampling is None else {"sampling": sampling}
+    target = tiny_models["gqa"]
+    got = engine_for(target, drafts["same"], n, max_batch=1, min_confidence=tau).generate(
+        request("a", PROMPT, 48, **kw)
+    )
+    assert (
+        got.token_ids == engine_for(target, None).generate(request("a", PROMPT, 48, **kw)).token_ids
+    )
+    lengths = []
+    for probs, limit, guess in calls:
+        if not guess:
+            continue
+        assert len(probs) == len(guess)  # one probability per guessed token, no more
+        assert all(p >= tau for p in probs[:-1])
+        assert probs[-1] < tau or len(guess) == limit
+        lengths.append(len(guess))
+    assert min(lengths) < n and max(lengths) == n  # both endings happened
+
+
+def test_in_a_call_of_several_sequences_a_doubting_one_rides_along(
+    tiny_models: dict[str, Path], drafts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Guessing in one draft call, a sequence that doubts its token keeps guessing
+    while another in the call is sure (the call runs anyway); alone, it stops."""
+    # The greedy request's guesses are sure, the sampled one's all doubted.
+    monkeypatch.setattr(draft_model, "guess_probability", lambda row, tok, t: float(t == 1.0))
+    calls: list[dict[str, int]] = []
+    propose = DraftModel.propose
+
+    def recorded(self: DraftModel, wants: list) -> dict[int, list[int]]:
+        out = propose(self, wants)
+        rid = {w.seq.seq_id: w.seq.request.request_id for w in wants}
+        calls.append({rid[sid]: len(guess) for sid, guess in out.items()})
+        return out
+
+    monkeypatch.setattr(DraftModel, "propose", recorded)
+    reqs = [
+        request("sure", PROMPT, 24),
+        request("doubt", "a bird saw it and the", 40, sampling=SAMPLED),
+    ]
+    engine = engine_for(tiny_models["gqa"], drafts["same"], 4, max_batch=4, min_confidence=0.5)
+    got = engine.run_to_completion(reqs)
+    plain = engine_for(tiny_models["gqa"], None).run_to_completion(reqs)
+    assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in plain.items()}
+    together = [c for c in calls if len(c) == 2]
+    assert any(c["doubt"] > 1 for c in together)  # rode along past its doubted first token
+    alone = [c["doubt"] for c in calls if set(c) == {"doubt"}]
+    assert alone and set(alone) == {1}
+
+
+def test_a_draft_call_stops_when_every_sequence_in_it_doubts(
+    tiny_models: dict[str, Path], drafts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(draft_model, "guess_probability", lambda row, tok, t: float("nan"))
+    engine = engine_for(tiny_models["gqa"], drafts["same"], 4, max_batch=4, min_confidence=0.5)
+    reqs = [request(str(i), " ".join(PROMPT.split()[i:]), 16) for i in range(3)]
+    got = engine.run_to_completion(reqs)
+    plain = engine_for(tiny_models["gqa"], None).run_to_completion(reqs)
+    assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in plain.items()}
+    c = engine.counters
+    # A NaN probability is a doubt: every guess is its first token, one draft call each round.
+    assert c["spec_draft_tokens"] == c["spec_guesses"] > 0
+    draft = engine.speculation.draft  # type: ignore[union-attr]
+    assert draft is not None and draft.steps <= c["spec_guesses"]
 
 
 def draft_kv_matches_a_recompute(engine: LLMEngine, rid: str, draft_dir: Path) -> int:
@@ -384,6 +502,9 @@ def test_config_errors() -> None:
     assert SpeculationConfig(4).resolved_mode == "prompt-lookup"
     assert SpeculationConfig(4, draft_model="d").resolved_mode == "auto"
     assert SpeculationConfig(0).resolved_mode == ""
+    for bad in (-0.1, 1.0, float("nan")):
+        with pytest.raises(ValueError, match=r"--draft-min-confidence must be in \[0, 1\), got"):
+            SpeculationConfig(4, draft_model="d", min_confidence=bad)
 
 
 def test_server_flags_and_the_refusal_at_start(
@@ -402,6 +523,9 @@ def test_server_flags_and_the_refusal_at_start(
     assert config(
         "--speculate", "3", "--draft-model", draft, "--speculative-mode", "draft"
     ).resolved_mode == ("draft")
+    assert config(
+        "--speculate", "8", "--draft-model", draft, "--draft-min-confidence", "0.5"
+    ) == SpeculationConfig(8, draft_model=draft, min_confidence=0.5)
     # genai-server itself exits with the message before it starts anything.
     argv = ["--model", draft, "--speculate", "4", "--draft-model", str(bytes_models["gqa"])]
     done = subprocess.run(
@@ -452,6 +576,9 @@ def test_metrics_label_the_counters_by_proposer() -> None:
 
     metrics = Metrics()
     metrics.engine.snapshot = {
+        "spec_guesses": 4,
+        "spec_guesses.draft": 3,
+        "spec_guesses.prompt_lookup": 1,
         "spec_draft_tokens": 12,
         "spec_accepted_tokens": 7,
         "spec_draft_tokens.draft": 10,
@@ -467,6 +594,8 @@ def test_metrics_label_the_counters_by_proposer() -> None:
         'genai_engine_spec_draft_tokens{proposer="prompt_lookup"} 2.0',
         'genai_engine_spec_accepted_tokens{proposer="draft"} 6.0',
         'genai_engine_spec_accepted_tokens{proposer="prompt_lookup"} 1.0',
+        'genai_engine_spec_guesses{proposer="draft"} 3.0',
+        'genai_engine_spec_guesses{proposer="prompt_lookup"} 1.0',
         "genai_engine_steps 5.0",
     }
     assert "genai_engine_spec_draft_tokens 12.0" not in lines  # the labelled family only

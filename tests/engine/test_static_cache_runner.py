@@ -340,7 +340,11 @@ def test_a_speculating_steps_checks_of_different_lengths_and_riding_decodes(
         return real(self, items)
 
     monkeypatch.setattr(StaticCacheRunner, "verify_batch", spy)
-    spec = SpeculationConfig(4, 5, draft_model=str(poor), mode="draft", batch_rule="always")
+    # Full-length guesses (no confidence stop): the tiny draft doubts nearly every
+    # token, and this checks rows of mixed lengths in one call.
+    spec = SpeculationConfig(
+        4, 5, draft_model=str(poor), mode="draft", batch_rule="always", min_confidence=0.0
+    )
     eng = engine(
         static_cache_model_dir, speculation=spec, scheduler=SchedulerConfig(max_num_seqs=5)
     )

@@ -7,7 +7,10 @@ fed what it has not seen yet (the whole prompt the first time, in chunks of
 at most ``catchup_tokens`` per step; after a check usually one or two
 tokens), then decodes its guess one token at a time (each picked as the
 target would pick, ``DraftModel``), all speculating sequences batched in
-each call. After the target's check, ``accepted`` cuts
+each call, up to N tokens or until the draft is unsure of one (its
+probability under ``min_confidence``: that token is the guess's last; in a
+call of several sequences, once every one is unsure). After
+the target's check, ``accepted`` cuts
 the draft's KV back to the tokens the sequence really has, as the target's
 is cut. A session turn's draft KV is parked here in host memory, by session
 id (never in the kvstore, never under the target's chunk keys), and written
@@ -45,7 +48,7 @@ def _kv_nbytes(layers: KvLayers) -> int:
 # (seq, the draft's logits [vocab], the guesses so far, a copy of the sequence's
 # generator) -> the guess: ``TokenPicker.guess_after``.
 _UNUSED_RNG = np.random.default_rng(0)  # what greedy rows get (they draw nothing)
-# A failed guess costs N draft steps and a check (~0.9 of a target step for a
+# A failed guess costs up to N draft steps and a check (~0.9 of a target step for a
 # 4-layer draft at N = 5, more for a larger one), not a free lookup: back off
 # up to 64 steps, so a draft that never agrees costs ~1.5 % (16 steps: ~5 %,
 # measured 0.93x of no speculation through the server).
@@ -53,12 +56,27 @@ DRAFT_MAX_BACKOFF_STEPS = 64
 GuessPicker = Callable[[Seq, np.ndarray, list[int], np.random.Generator], int]
 
 
+def guess_probability(row: np.ndarray, token: int, temperature: float) -> float:
+    """The draft's probability of ``token`` from ``row`` (its logits) at
+    ``temperature`` (1 for greedy requests): what the confidence stop reads.
+    The request's penalties, top-k/top-p and constraint are left out: it only
+    decides how long a guess is, never which tokens come out."""
+    z = row if temperature == 1.0 else row * np.float32(1.0 / temperature)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf or NaN logits: NaN, unsure
+        m = z.max()
+        return float(np.exp(z[token] - m) / np.exp(z - m).sum())
+
+
 class DraftModel(Proposer):
-    """Guesses of ``runner`` (the draft model's), ``num_tokens`` long, each picked
-    from the draft's logits as the target would pick from its own (``pick``:
-    argmax for greedy requests; for sampled ones the request's sampler drawing
-    from a copy of its generator, so a guess lands where the target's draw will
-    land whenever the two models' distributions agree there)."""
+    """Guesses of ``runner`` (the draft model's), up to ``num_tokens`` long, each
+    picked from the draft's logits as the target would pick from its own
+    (``pick``: argmax for greedy requests; for sampled ones the request's sampler
+    drawing from a copy of its generator, so a guess lands where the target's
+    draw will land whenever the two models' distributions agree there). A guess
+    ends after a token to which the draft gives less than ``min_confidence``
+    (``guess_probability``): past a token the draft doubts, the target rarely
+    keeps the rest, and each further guessed token costs a draft step (in a
+    call of several sequences it goes on while another one is sure)."""
 
     name = "draft"
 
@@ -74,9 +92,11 @@ class DraftModel(Proposer):
         catchup_tokens: int,
         parked_bytes: int,
         pick: GuessPicker | None = None,
+        min_confidence: float = 0.0,
     ) -> None:
         self.runner = runner
         self.pick = pick
+        self.min_confidence = min_confidence
         self.model_id = model_id
         self.num_tokens = num_tokens
         self.target_vocab = target_vocab  # guesses stop before an id the target lacks
@@ -148,8 +168,9 @@ class DraftModel(Proposer):
             if self.pick and not seq.request.sampling.greedy
         }
         guesses: dict[int, list[int]] = {}
+        unsure: set[int] = set()  # sequences the draft doubted a token of
         for (seq, _, _), row in zip(feeds, rows, strict=True):
-            guesses[seq.seq_id] = [self._guess(seq, row, [], rngs)]
+            guesses[seq.seq_id] = [self._guess(seq, row, [], rngs, unsure)]
             self._proposed_at[seq.seq_id] = len(seq.token_ids)
         for j in range(1, max(limit for _, _, limit in feeds)):
             going = [
@@ -157,24 +178,44 @@ class DraftModel(Proposer):
                 for seq, _, limit in feeds
                 if j < limit and guesses[seq.seq_id][-1] < self.target_vocab
             ]
-            if not going:
+            # A doubted token ends its sequence's guess, but while another
+            # sequence of the call still guesses, the draft call runs anyway
+            # and the doubting ones ride along (their check is padded to the
+            # longest guess too): the call stops once every one doubts.
+            if all(seq.seq_id in unsure for seq in going):
                 break
             items = [self._step(seq, guesses[seq.seq_id][-1]) for seq in going]
             logits = self.runner.run(items)
             self.steps += 1
             for seq, row in zip(going, logits, strict=True):
-                guesses[seq.seq_id].append(self._guess(seq, row, guesses[seq.seq_id], rngs))
+                token = self._guess(seq, row, guesses[seq.seq_id], rngs, unsure)
+                guesses[seq.seq_id].append(token)
         for sid, guess in guesses.items():
             cut = next((i for i, t in enumerate(guess) if t >= self.target_vocab), len(guess))
             guesses[sid] = guess[:cut]
         return {sid: g for sid, g in guesses.items() if g}
 
     def _guess(
-        self, seq: Seq, row: np.ndarray, pending: list[int], rngs: dict[int, np.random.Generator]
+        self,
+        seq: Seq,
+        row: np.ndarray,
+        pending: list[int],
+        rngs: dict[int, np.random.Generator],
+        unsure: set[int],
     ) -> int:
+        """The next guessed token from ``row``; ``seq`` joins ``unsure`` when the
+        draft gives that token less than ``min_confidence``."""
         if self.pick is None:
-            return int(np.argmax(row))
-        return self.pick(seq, row, pending, rngs.get(seq.seq_id) or _UNUSED_RNG)
+            token = int(np.argmax(row))
+        else:
+            token = self.pick(seq, row, pending, rngs.get(seq.seq_id) or _UNUSED_RNG)
+        if self.min_confidence and seq.seq_id not in unsure:  # a rider's stays doubted
+            sampling = seq.request.sampling
+            temperature = 1.0 if sampling.greedy else float(sampling.temperature or 1.0)
+            # ``not >=``: a NaN probability (logits the draft got wrong) ends it too.
+            if not guess_probability(row, token, temperature) >= self.min_confidence:
+                unsure.add(seq.seq_id)
+        return token
 
     def _step(self, seq: Seq, token: int) -> StepItem:
         return StepItem(seq.seq_id, (token,), self.runner.kv_len(seq.seq_id))

@@ -200,8 +200,10 @@ class Speculation:
         chosen = follow_draft(tokens, rows, lambda row, picked: picker.pick_after(seq, row, picked))
         kept = len(chosen) - 1
         name = draft.proposer.name
+        self.counters["spec_guesses"] += 1
         self.counters["spec_draft_tokens"] += len(tokens)
         self.counters["spec_accepted_tokens"] += kept
+        self.counters[f"spec_guesses.{name}"] += 1
         self.counters[f"spec_draft_tokens.{name}"] += len(tokens)
         self.counters[f"spec_accepted_tokens.{name}"] += kept
         draft.proposer.accepted(seq, kept)
