@@ -49,7 +49,8 @@ the median ms of a one-token decode step at 100 tokens of context for fp32,
 int8, int4 and the poor draft, and of the target's check of K+1 tokens
 (``runner.verify``). c = draft step / target step. A guess is at most K
 tokens and ends earlier after a token the draft doubts
-(``--draft-min-confidence``), so the model reads the guesses as they were
+(``--draft-min-confidence``) or, after a guess rejected whole, at half the
+last one's bound, so the model reads the guesses as they were
 from the server's counters (``genai_engine_spec_guesses``, ``..._draft_tokens``,
 ``..._accepted_tokens``, proposer "draft"): L = draft tokens / guesses, the
 mean guess, and E = 1 + accepted / guesses, the tokens per check. A round
@@ -88,10 +89,9 @@ from .procs import REPO, free_port
 from .workload import TokenSource, concurrency_stats, median, stream_stats
 
 # Draft tokens per check at most (--k); guesses end earlier where the draft doubts
-# a token (--draft-min-confidence at its default). K = 10 paid a few per cent more
-# on one stream in-process but cost the poor draft and 4 streams far more
-# (docs/design.md, "Speculative decoding").
-K = 5
+# a token (--draft-min-confidence at its default), and a sequence whose guess was
+# rejected whole guesses half as far next (docs/design.md, "Speculative decoding").
+K = 10
 POOR_LAYERS = 4  # layers the poor draft keeps, of the default model's 30
 COST_CONTEXT = 100  # tokens of context of the cost model's steps
 COST_ROUNDS = 40

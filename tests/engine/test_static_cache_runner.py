@@ -340,8 +340,9 @@ def test_a_speculating_steps_checks_of_different_lengths_and_riding_decodes(
         return real(self, items)
 
     monkeypatch.setattr(StaticCacheRunner, "verify_batch", spy)
-    # Full-length guesses (no confidence stop): the tiny draft doubts nearly every
-    # token, and this checks rows of mixed lengths in one call.
+    # Full-length guesses (no confidence stop, no shortening after a rejected
+    # guess): the tiny draft doubts nearly every token and is always wrong, and
+    # this checks rows of mixed lengths in one call.
     spec = SpeculationConfig(
         4, 5, draft_model=str(poor), mode="draft", batch_rule="always", min_confidence=0.0
     )
@@ -349,6 +350,12 @@ def test_a_speculating_steps_checks_of_different_lengths_and_riding_decodes(
         static_cache_model_dir, speculation=spec, scheduler=SchedulerConfig(max_num_seqs=5)
     )
     assert eng.runner.checks_in_one_call
+
+    class FullLength(dict):  # rejected guesses do not shorten the next ones here
+        def __setitem__(self, key: int, value: int) -> None:
+            pass
+
+    eng.speculation.draft._span = FullLength()  # type: ignore[union-attr]
     got = eng.run_to_completion(requests())
     assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in plain.items()}
     several = [c for c in calls if len(c) > 1]

@@ -76,7 +76,10 @@ class DraftModel(Proposer):
     ends after a token to which the draft gives less than ``min_confidence``
     (``guess_probability``): past a token the draft doubts, the target rarely
     keeps the rest, and each further guessed token costs a draft step (in a
-    call of several sequences it goes on while another one is sure)."""
+    call of several sequences it goes on while another one is sure). After a
+    guess rejected whole, the bound on the sequence's guesses halves, back to
+    ``num_tokens`` once one is kept whole (``_span``): a draft that is confidently wrong there
+    wastes few steps, while a good one keeps its long guesses."""
 
     name = "draft"
 
@@ -106,6 +109,11 @@ class DraftModel(Proposer):
         self.parked_bytes = parked_bytes
         self.backoff = Backoff(DRAFT_MAX_BACKOFF_STEPS)
         self._proposed_at: dict[int, int] = {}  # seq_id -> len(token_ids) at its last guess
+        # seq_id -> the most its next guess may be, when less than num_tokens
+        # (halved by a guess of which nothing was kept, N again once one is kept
+        # whole), and the length of its guess being checked.
+        self._span: dict[int, int] = {}
+        self._checking: dict[int, int] = {}
         self._outside: set[int] = set()  # sequences holding an id the draft cannot embed
         # session id -> (the tokens the KV is of, their KV); LRU by bytes.
         self._parked: OrderedDict[str, tuple[tuple[int, ...], KvLayers]] = OrderedDict()
@@ -130,7 +138,8 @@ class DraftModel(Proposer):
         budget = self.catchup_tokens
         feeds: list[tuple[Seq, list[int], int]] = []  # (seq, tokens to feed, limit)
         for want in wants:
-            seq, limit = want.seq, min(self.num_tokens, want.limit)
+            seq = want.seq
+            limit = min(self._span.get(seq.seq_id, self.num_tokens), want.limit)
             tokens = seq.token_ids
             if limit <= 0 or len(tokens) + limit > self.max_len:
                 continue
@@ -193,6 +202,7 @@ class DraftModel(Proposer):
         for sid, guess in guesses.items():
             cut = next((i for i, t in enumerate(guess) if t >= self.target_vocab), len(guess))
             guesses[sid] = guess[:cut]
+            self._checking[sid] = cut
         return {sid: g for sid, g in guesses.items() if g}
 
     def _guess(
@@ -256,6 +266,11 @@ class DraftModel(Proposer):
         guess and the ``n`` guessed tokens kept (the token after them was not fed)."""
         sid = seq.seq_id
         self.backoff.record(sid, n)
+        length = self._checking.pop(sid, 0)
+        if length and not n:  # nothing kept: the bound halves
+            self._span[sid] = max(1, self._span.get(sid, self.num_tokens) // 2)
+        elif length and n >= length:  # kept whole: the draft is right here again
+            self._span.pop(sid, None)
         at = self._proposed_at.pop(sid, None)
         held = self.runner.kv_len(sid)
         if at is not None and held > at + n:
@@ -265,6 +280,8 @@ class DraftModel(Proposer):
         self.runner.release(seq_id)
         self.backoff.forget(seq_id)
         self._proposed_at.pop(seq_id, None)
+        self._span.pop(seq_id, None)
+        self._checking.pop(seq_id, None)
         self._outside.discard(seq_id)
 
     def failed(self, seq_id: int) -> None:
@@ -273,6 +290,7 @@ class DraftModel(Proposer):
         guess of which nothing was kept (a draft that keeps failing is seldom asked)."""
         self.runner.release(seq_id)
         self._proposed_at.pop(seq_id, None)
+        self._checking.pop(seq_id, None)
         self.backoff.record(seq_id, 0)
 
     def forget_session(self, session_id: str) -> None:
