@@ -292,7 +292,7 @@ def test_a_guess_rejected_whole_halves_the_next_until_one_is_kept_whole() -> Non
     seq = types.SimpleNamespace(seq_id=1)
     spans = []
     for length, kept in [(6, 0), (3, 1), (3, 0), (1, 0), (1, 1), (6, 2), (6, 0), (3, 3)]:
-        draft._checking[1] = length
+        draft._checking[1] = (0, length)
         draft.accepted(seq, kept)  # type: ignore[arg-type]
         spans.append(draft._span.get(1, 6))
     assert spans == [3, 3, 1, 1, 6, 6, 3, 6]  # a guess kept in part changes nothing

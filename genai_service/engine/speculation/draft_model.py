@@ -78,8 +78,9 @@ class DraftModel(Proposer):
     keeps the rest, and each further guessed token costs a draft step (in a
     call of several sequences it goes on while another one is sure). After a
     guess rejected whole, the bound on the sequence's guesses halves, back to
-    ``num_tokens`` once one is kept whole (``_span``): a draft that is confidently wrong there
-    wastes few steps, while a good one keeps its long guesses."""
+    ``num_tokens`` once one is kept whole (``_span``): a draft that is
+    confidently wrong there wastes few steps, while a good one keeps its long
+    guesses."""
 
     name = "draft"
 
@@ -108,12 +109,11 @@ class DraftModel(Proposer):
         self.catchup_tokens = catchup_tokens  # draft prefill tokens per step, all sequences
         self.parked_bytes = parked_bytes
         self.backoff = Backoff(DRAFT_MAX_BACKOFF_STEPS)
-        self._proposed_at: dict[int, int] = {}  # seq_id -> len(token_ids) at its last guess
+        # seq_id -> its guess being checked: (len(token_ids) at the guess, its length).
+        self._checking: dict[int, tuple[int, int]] = {}
         # seq_id -> the most its next guess may be, when less than num_tokens
-        # (halved by a guess of which nothing was kept, N again once one is kept
-        # whole), and the length of its guess being checked.
+        # (halved by a guess of which nothing was kept, N again once one is kept whole).
         self._span: dict[int, int] = {}
-        self._checking: dict[int, int] = {}
         self._outside: set[int] = set()  # sequences holding an id the draft cannot embed
         # session id -> (the tokens the KV is of, their KV); LRU by bytes.
         self._parked: OrderedDict[str, tuple[tuple[int, ...], KvLayers]] = OrderedDict()
@@ -180,7 +180,6 @@ class DraftModel(Proposer):
         unsure: set[int] = set()  # sequences the draft doubted a token of
         for (seq, _, _), row in zip(feeds, rows, strict=True):
             guesses[seq.seq_id] = [self._guess(seq, row, [], rngs, unsure)]
-            self._proposed_at[seq.seq_id] = len(seq.token_ids)
         for j in range(1, max(limit for _, _, limit in feeds)):
             going = [
                 seq
@@ -199,11 +198,14 @@ class DraftModel(Proposer):
             for seq, row in zip(going, logits, strict=True):
                 token = self._guess(seq, row, guesses[seq.seq_id], rngs, unsure)
                 guesses[seq.seq_id].append(token)
-        for sid, guess in guesses.items():
+        out: dict[int, list[int]] = {}
+        for seq, _, _ in feeds:
+            sid, guess = seq.seq_id, guesses[seq.seq_id]
             cut = next((i for i, t in enumerate(guess) if t >= self.target_vocab), len(guess))
-            guesses[sid] = guess[:cut]
-            self._checking[sid] = cut
-        return {sid: g for sid, g in guesses.items() if g}
+            self._checking[sid] = (len(seq.token_ids), cut)
+            if cut:
+                out[sid] = guess[:cut]
+        return out
 
     def _guess(
         self,
@@ -266,12 +268,11 @@ class DraftModel(Proposer):
         guess and the ``n`` guessed tokens kept (the token after them was not fed)."""
         sid = seq.seq_id
         self.backoff.record(sid, n)
-        length = self._checking.pop(sid, 0)
+        at, length = self._checking.pop(sid, (None, 0))
         if length and not n:  # nothing kept: the bound halves
             self._span[sid] = max(1, self._span.get(sid, self.num_tokens) // 2)
         elif length and n >= length:  # kept whole: the draft is right here again
             self._span.pop(sid, None)
-        at = self._proposed_at.pop(sid, None)
         held = self.runner.kv_len(sid)
         if at is not None and held > at + n:
             self.runner.truncate(sid, at + n)
@@ -279,9 +280,8 @@ class DraftModel(Proposer):
     def forget(self, seq_id: int) -> None:
         self.runner.release(seq_id)
         self.backoff.forget(seq_id)
-        self._proposed_at.pop(seq_id, None)
-        self._span.pop(seq_id, None)
         self._checking.pop(seq_id, None)
+        self._span.pop(seq_id, None)
         self._outside.discard(seq_id)
 
     def failed(self, seq_id: int) -> None:
@@ -289,7 +289,6 @@ class DraftModel(Proposer):
         be half-written, so it is dropped, and the sequence backs off as after a
         guess of which nothing was kept (a draft that keeps failing is seldom asked)."""
         self.runner.release(seq_id)
-        self._proposed_at.pop(seq_id, None)
         self._checking.pop(seq_id, None)
         self.backoff.record(seq_id, 0)
 
