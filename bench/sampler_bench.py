@@ -9,11 +9,14 @@ them, at V = 49,152 (the default model's vocabulary) for a batch of 1 and 8, on
 peaked, language-model-like logits: Zipf-shaped probabilities over a random
 token order with a per-step sharpness, plus noise; the table shows the median
 of the repeats and whether the first steps picked the same tokens as
-``sampler_golden.json``: the draws of the sampler as it was before it was
-vectorised (issue 14), recorded from that code when it was retired, so a
-change to the sampler that changes what a seed draws shows here. (Its speed
+``sampler_golden.json``: the draws of the sampler as it was recorded, so a
+change to the sampler that changes what a seed draws shows here. First
+recorded from the sampler before it was vectorised (issue 14; its speed
 against that baseline, measured while both existed: docs/benchmarks-archive.md,
-the "Sampler microbenchmark" tables.)
+the "Sampler microbenchmark" tables); recorded again with ``--record`` when
+the draw itself changed (2026-12-07: a race between blocks instead of an
+inverse CDF over them, docs/design.md "Sampling"), never to make a faster
+sampler pass.
 
 ``measure() -> dict`` and ``markdown(result) -> list[str]`` are the API for a
 caller that includes this table in a bigger report.
@@ -233,12 +236,38 @@ def _table(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def record(vocab: int = VOCAB) -> None:
+    """Rewrite ``sampler_golden.json`` with the current sampler's draws (its
+    first ``steps`` steps of every configuration and batch size)."""
+    golden = json.loads(GOLDEN.read_text())
+    gen = np.random.default_rng(0)
+    draws = {}
+    for b in BATCHES:
+        steps = [lm_logits(gen, b, vocab) for _ in range(N_LOGITS)]
+        for label, params, n_top in CONFIGS:
+            rows = _rows(params, n_top, b, vocab)
+            draws[golden_key(label, b)] = [
+                _step(sampler.sample, rows, steps[rep % N_LOGITS])[1]
+                for rep in range(golden["steps"])
+            ]
+    GOLDEN.write_text(json.dumps({"steps": golden["steps"], "draws": draws}, separators=(",", ":")))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size (golden: 49152)")
+    ap.add_argument(
+        "--record",
+        action="store_true",
+        help="rewrite sampler_golden.json with the current sampler's draws (only when the "
+        "draw itself changes)",
+    )
     args = ap.parse_args(argv)
+    if args.record:
+        record()
+        return 0
     result = measure(args.repeats, vocab=args.vocab)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     out = args.out or Path(__file__).parent / "results" / f"sampler-{stamp}.json"

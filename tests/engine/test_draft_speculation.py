@@ -737,7 +737,7 @@ def test_a_speculating_steps_other_decodes_ride_in_its_check_call(
     def run(ride: bool) -> tuple[dict, int]:
         if not ride:
             monkeypatch.setattr(SharedBufferRunner, "checks_in_one_call", property(lambda s: False))
-        engine = engine_for(tiny_models["gqa"], drafts["one_layer"], max_batch=4)
+        engine = engine_for(tiny_models["gqa"], drafts["other"], max_batch=4)
         calls = []
         real = engine.runner.run
         monkeypatch.setattr(engine.runner, "run", lambda items: calls.append(items) or real(items))

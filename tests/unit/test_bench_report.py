@@ -216,7 +216,7 @@ def test_the_page_is_the_latest_run_and_the_history() -> None:
     assert text.rstrip().endswith("| target | x | met |")
 
 
-def test_the_sampler_draws_what_it_drew_before_it_was_vectorised() -> None:
+def test_the_sampler_draws_what_bench_sampler_golden_recorded() -> None:
     from bench import sampler_bench
 
     result = sampler_bench.measure(repeats=1)

@@ -20,6 +20,7 @@ from genai_service.engine.sampling.sampler import (
     sample,
     sample_constant,
 )
+from genai_service.engine.sampling.sampler_kernels import DRAW_BLOCK
 
 # A known distribution over V=8: logits are log-probabilities.
 PROBS = np.array([0.40, 0.25, 0.15, 0.10, 0.05, 0.03, 0.015, 0.005])
@@ -88,16 +89,21 @@ def test_greedy_is_argmax_and_ties_pick_lowest_id() -> None:
         assert all(t.size == 0 for t in out.top_token_ids)
 
 
-def test_greedy_rows_draw_nothing_and_sampled_rows_draw_once_per_step() -> None:
+def test_greedy_rows_draw_nothing_and_sampled_rows_draw_alike_every_step() -> None:
+    """A sampled row draws one exponential variate per block of DRAW_BLOCK
+    tokens and one per place in a block at every step (here one block),
+    whichever path it takes."""
     greedy, sampled = make_row(seed=5), make_row(SamplingParams(temperature=1.0), seed=5)
-    args = prepare([greedy, sampled])
+    top_k = make_row(SamplingParams(temperature=1.0, top_k=2), seed=5)
+    args = prepare([greedy, sampled, top_k])
     for _ in range(3):
-        sample(np.stack([LOGITS, LOGITS]), args)
+        sample(np.stack([LOGITS, LOGITS, LOGITS]), args)
     reference = np.random.default_rng(5)
     assert greedy.rng.random() == reference.random()
-    reference = np.random.default_rng(5)
-    reference.random(3)
-    assert sampled.rng.random() == reference.random()
+    for row in (sampled, top_k):
+        reference = np.random.default_rng(5)
+        reference.standard_exponential(3 * (1 + DRAW_BLOCK))
+        assert row.rng.random() == reference.random()
 
 
 def test_caller_logits_are_not_modified() -> None:
@@ -268,6 +274,57 @@ def test_everything_banned_falls_back_to_raw_argmax_without_nan() -> None:
     out = run(np.stack([LOGITS] * 3), rows)
     assert out.token_ids.tolist() == [0, 0, 0]
     assert out.logprobs is not None and np.isfinite(out.logprobs).all()
+
+
+# --- the draw across blocks ------------------------------------------------------
+
+# PROBS spread over four draw blocks of a 1,024-token vocabulary (the rest of
+# the vocabulary masked), so the race between blocks decides most draws.
+SPREAD_IDS = np.array([3, 100, 300, 301, 520, 700, 900, 1023])
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),  # the dense row
+        SamplingParams(temperature=1.0, top_k=8),  # a candidate list
+        SamplingParams(temperature=1.0, top_p=0.999),  # the dense nucleus
+        SamplingParams(temperature=1.0, typical_p=0.9999),  # the extended row
+    ],
+)
+def test_draws_across_blocks_follow_the_distribution(params: SamplingParams) -> None:
+    logits = np.full(1024, -np.inf, dtype=np.float32)
+    logits[SPREAD_IDS] = LOGITS
+    args = prepare([make_row(params, seed=9)])
+    tokens = np.array([sample(logits[None], args).token_ids[0] for _ in range(N_DRAWS)])
+    assert set(tokens.tolist()) <= set(SPREAD_IDS.tolist())
+    got = np.array([np.mean(tokens == t) for t in SPREAD_IDS])
+    np.testing.assert_allclose(got, PROBS, atol=TOL)
+
+
+def test_two_close_distributions_drawn_with_one_seed_mostly_agree() -> None:
+    """What a draft model's sampled guess relies on (docs/design.md,
+    "Speculative decoding"): two distributions that differ a little, each
+    drawn with a generator of the same seed, pick the same token far more
+    often than one inverse CDF in token-id order lets them (there every token
+    moves by all the mass that moved below it), nearly as often as any draw
+    can (their overlap, the sum of the smaller probability of each token)."""
+    gen = np.random.default_rng(3)
+    v, seeds = 2048, 400
+    a = (gen.standard_normal(v) * 2).astype(np.float32)
+    b = (a + gen.standard_normal(v) * 0.3).astype(np.float32)
+    p, q = (np.exp(x - x.max()) / np.exp(x - x.max()).sum() for x in (a.astype(float), b))
+    cp, cq = np.cumsum(p), np.cumsum(q)
+    starts = np.maximum(np.concatenate([[0.0], cp[:-1]]), np.concatenate([[0.0], cq[:-1]]))
+    inverse_cdf = np.clip(np.minimum(cp, cq) - starts, 0.0, None).sum()  # 0.24 here
+    overlap = np.minimum(p, q).sum()  # 0.89 here
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=1000)):
+        same = 0
+        for seed in range(seeds):
+            rows = [make_row(params, seed=seed), make_row(params, seed=seed)]
+            picked = run(np.stack([a, b]), rows).token_ids
+            same += int(picked[0] == picked[1])
+        assert same / seeds > max(inverse_cdf + 0.25, overlap - 0.1), (params, same / seeds)
 
 
 # --- reproducibility -----------------------------------------------------------

@@ -15,15 +15,18 @@ batched arrays; ``sample(logits, args)`` then applies, in order:
    top-k, top-p (on the distribution renormalised after top-k), min-p (of
    what top-p kept; with no top-p it joins top-k's floor: the same result),
    the stages after them (docs/design.md, "Sampling"), then one draw from
-   the renormalised distribution; a row left with nothing
+   the renormalised distribution (a race between blocks of 256 tokens, then
+   between the winning block's tokens: ``_race``); a row left with nothing
    to pick from takes ``fallback_tokens`` (the raw argmax, or a masked row's
    lowest allowed id).
 
-Reproducibility: every non-greedy row draws exactly one float from its own
-generator per step, whatever happens; greedy rows draw nothing. Cut-offs are
-decided by value (a tie at a cut-off keeps every tied token) and the kept
-candidates are walked in token-id order, so a row's token depends only on its
-own logits, parameters and generator, never on the other rows of the batch.
+Reproducibility: every non-greedy row draws the same numbers from its own
+generator per step, whatever happens (``_draws``: one exponential variate per
+block of 256 tokens and one per place in a block, in one call); greedy rows
+draw nothing. Cut-offs are decided by value (a tie at a cut-off keeps every
+tied token) and a race's tie goes to the lowest block or id, so a row's token
+depends only on its own logits, parameters and generator, never on the other
+rows of the batch.
 
 Logprobs are always those of the raw model distribution (log-softmax of the
 unprocessed logits), whatever penalties or temperature were used to sample.
@@ -573,19 +576,11 @@ def _sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingAr
             kernels.set_block_sums(blocks, rows_c, cols_c, e_c, v)
             cum[changed, 1:] = np.cumsum(blocks[changed], axis=1, dtype=np.float64)
 
-    # Inverse CDF in token-id order with one uniform per row, in two levels
-    # (block, then token within it) to avoid a cumsum over the vocabulary.
-    u = np.array([args.rngs[i].random() for i in s])  # exactly one per row per step
-    total = cum[:, -1]
-    ok = live & (total > 0)  # else nothing left to draw from (all banned, min_p > 1, ...)
-    goal = u * total
-    at = np.arange(n)
-    b = np.minimum(np.count_nonzero(cum[:, 1:] <= goal[:, None], axis=1), nb - 1)
-    empty = blocks[at, b] <= 0
-    if empty.any():  # rounding at the very top: step back to the last block with mass
-        last = np.maximum.accumulate(np.where(blocks > 0, np.arange(nb), -1), axis=1)
-        b[empty] = np.maximum(last[empty, b[empty]], 0)
-    goal -= cum[at, b]
+    # The draw (``_draws``): a race between the blocks, then one between the
+    # winning block's tokens.
+    d = np.array([_draws(args.rngs[i], nb) for i in s]).reshape(n, nb + DRAW_BLOCK)
+    ok = live & (cum[:, -1] > 0)  # else nothing left to draw from (all banned, min_p > 1, ...)
+    b = _race(blocks, d[:, :nb])
     # Each row's chosen block [S, 256], then the token within it.
     part = np.zeros((n, DRAW_BLOCK), dtype=np.float32)
     dense = dn[dense_of[dn] >= 0]  # (top-p turned the others into lists)
@@ -594,14 +589,41 @@ def _sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingAr
     if rows_c.size:
         on = cols_c // DRAW_BLOCK == b[rows_c]  # (no listed row is dense)
         part[rows_c[on], cols_c[on] % DRAW_BLOCK] = e_c[on]
-    inner = np.cumsum(part, axis=1, dtype=np.float64)
-    j = np.count_nonzero(inner <= goal[:, None], axis=1)
-    for i in np.flatnonzero(ok & (j >= DRAW_BLOCK)):  # rounding: the block's last token with mass
-        j[i] = np.flatnonzero(part[i])[-1]
+    j = _race(part, d[:, nb:])
     out = b * DRAW_BLOCK + j
     if not ok.all():
         out[~ok] = fallback_tokens(raw, s[~ok], args)
     return out
+
+
+def _draws(rng: np.random.Generator, nb: int) -> np.ndarray:
+    """A sampled row's draws for one step, whatever its stages keep: ``nb +
+    DRAW_BLOCK`` standard exponential variates in one call, one for each of
+    the ``nb`` blocks of ``DRAW_BLOCK`` tokens, then one for each place in a
+    block (``_race`` picks the block, then the token within it)."""
+    return rng.standard_exponential(nb + DRAW_BLOCK)
+
+
+def _race(mass: np.ndarray, exps: np.ndarray) -> np.ndarray:
+    """The winner of each row of ``mass`` [..., k] (unnormalised probabilities,
+    zeros where nothing is kept): the entry whose mass over its own
+    exponential variate is largest. That is the Gumbel-max trick on the log
+    masses, so an entry wins with probability mass / total; run on the blocks'
+    masses, then on the winning block's tokens, it draws a token with its
+    probability. Because every block and every place has its own variate, two
+    distributions that differ a little pick the same token nearly as often as
+    they can (their overlap), where one inverse CDF in token-id order moves
+    every token's interval by all the mass that moved below it. A draft
+    model's sampled guess draws with a copy of the row's generator
+    (docs/design.md, "Speculative decoding"): this is what makes it land where
+    the target's draw does. An entry without mass never wins (its key is 0;
+    ``_TINY`` keeps a variate of exactly 0 from making it NaN); ties go to the
+    first. Only a division per entry: every path gets the same keys bit for
+    bit."""
+    return np.argmax(mass / (exps + _TINY), axis=-1)
+
+
+_TINY = 1e-300  # far below every nonzero variate's rounding: it changes only an exact 0
 
 
 def _sample_one_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) -> int | None:
@@ -632,13 +654,13 @@ def _sample_one_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) 
         # too (an infinite t makes -inf / t NaN: that one divides the maximum)
         m = scaled.max() if np.isfinite(t) else row.max() / t
     if not np.isfinite(m):  # everything masked (or NaN/inf): the raw argmax, after the draw
-        args.rngs[i].random()
+        _draws(args.rngs[i], -(-v // DRAW_BLOCK))
         return int(fallback_tokens(raw, np.array([i]), args)[0])
     if scaled is not None and top_p >= 1.0:  # temperature only: the whole vocabulary
         return _sample_dense_row(raw, scaled, m, i, args)
     if scaled is not None:  # top-p with nothing cut before it
         cols, e = _dense_nucleus_row(scaled, m, top_p)
-        run, starts = _touched_run(cols, e, v)
+        touched, mass, total, starts = _touched_run(cols, e, v)
     else:
         floor = m + np.log(min_p) if min_p > 0 and not late else np.float32(-np.inf)
         if top_k:
@@ -666,40 +688,34 @@ def _sample_one_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) 
         # The two-level draw over the blocks the candidates touch: untouched
         # blocks hold no mass, and adding their zeros changes no running total,
         # so this is the dense form's draw on the dense form's block sums.
-        run, starts = _touched_run(cols, e, v)
+        touched, mass, total, starts = _touched_run(cols, e, v)
         if top_p < 1.0 and e.size:
             # kernels.nucleus on one row: most likely first, the first prefix
             # whose float64 running mass reaches the target sets the floor.
             desc = -np.sort(-e)
-            reached = np.cumsum(desc, dtype=np.float64) >= top_p * run[-1]
+            reached = np.cumsum(desc, dtype=np.float64) >= top_p * total
             if reached.any():
                 keep = e >= desc[reached.argmax()]
                 if not keep.all():
                     cols, e = cols[keep], e[keep]
-                    run, starts = _touched_run(cols, e, v)
+                    touched, mass, total, starts = _touched_run(cols, e, v)
     if late:  # min-p on the nucleus, as _sample_rows does
         keep = e >= min_p
         if not keep.all():
             cols, e = cols[keep], e[keep]
-            run, starts = _touched_run(cols, e, v)
+            touched, mass, total, starts = _touched_run(cols, e, v)
 
-    u = args.rngs[i].random()  # exactly one per row per step
-    total = run[-1] if run.size else 0.0
+    nb = -(-v // DRAW_BLOCK)
+    d = _draws(args.rngs[i], nb)
     if not total > 0:
         return int(fallback_tokens(raw, np.array([i]), args)[0])
-    goal = u * total
-    # The first touched block whose running mass passes the goal (the dense
-    # form counts the blocks at or below it), else the last one (rounding).
-    q = min(int(np.count_nonzero(run <= goal)), run.size - 1)
-    if q:
-        goal -= run[q - 1]
+    # The race between the blocks the candidates touch (the others hold no
+    # mass and cannot win), then between the winner's candidates: the dense
+    # form's races without its zeros.
+    q = int(_race(mass, d[:nb][touched]))
     lo = int(starts[q])
     hi = int(starts[q + 1]) if q + 1 < starts.size else cols.size
-    # Within the block: the first candidate whose running mass passes what
-    # is left of the goal, else its last one (rounding), as the dense form's
-    # count over the block's 256 running totals finds.
-    r = int(np.count_nonzero(np.cumsum(e[lo:hi], dtype=np.float64) <= goal))
-    return int(cols[lo + min(r, hi - lo - 1)])
+    return int(cols[lo + _race(e[lo:hi], d[nb:][cols[lo:hi] % DRAW_BLOCK])])
 
 
 def _masses(x: np.ndarray, t: np.ndarray, m: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -740,28 +756,17 @@ def _sample_dense_row(
     raw: np.ndarray, scaled: np.ndarray, m: np.float32, i: int, args: SamplingArgs
 ) -> int:
     """The draw of ``_sample_rows`` for a row that nothing cuts (temperature
-    only), on the whole row: its masses, block sums and float64 running total
-    as the batched form computes them, the block the goal falls in (stepping
-    back past blocks without mass, for rounding at the top), then the token
-    within it."""
+    only), on the whole row: its masses and block sums as the batched form
+    computes them, the race between the blocks, then the token within the
+    winner."""
     e, blocks = _row_masses(scaled, m)
-    run = np.cumsum(blocks, dtype=np.float64)  # mass up to the end of each block
-    u = args.rngs[i].random()  # exactly one per row per step
-    total = run[-1]
-    if not total > 0:  # (not with a finite maximum, whose token has mass 1: kept as a guard)
+    d = _draws(args.rngs[i], blocks.size)
+    # (With a finite maximum, whose token has mass 1, there is always mass: a guard.)
+    if not np.cumsum(blocks, dtype=np.float64)[-1] > 0:
         return int(fallback_tokens(raw, np.array([i]), args)[0])
-    goal = u * total
-    b = min(int(np.count_nonzero(run <= goal)), blocks.size - 1)
-    if blocks[b] <= 0:  # (only past the last block: the goal rounded up to the total)
-        with_mass = np.flatnonzero(blocks[: b + 1] > 0)
-        b = int(with_mass[-1]) if with_mass.size else 0
-    if b:
-        goal -= run[b - 1]
+    b = int(_race(blocks, d[: blocks.size]))
     part = e[b * DRAW_BLOCK : (b + 1) * DRAW_BLOCK]
-    j = int(np.count_nonzero(np.cumsum(part, dtype=np.float64) <= goal))
-    if j >= part.size:  # rounding: the block's last token with mass
-        j = int(np.flatnonzero(part)[-1])
-    return b * DRAW_BLOCK + j
+    return b * DRAW_BLOCK + int(_race(part, d[blocks.size : blocks.size + part.size]))
 
 
 def _dense_nucleus_row(
@@ -792,13 +797,17 @@ def _dense_nucleus_row(
     return cols, vals
 
 
-def _touched_run(cols: np.ndarray, e: np.ndarray, v: int) -> tuple[np.ndarray, np.ndarray]:
-    """One row's candidates (``cols`` ascending, masses ``e``): the float64
-    running mass up to each draw block they touch, and each such block's first
-    candidate (``kernels.block_masses``)."""
+def _touched_run(
+    cols: np.ndarray, e: np.ndarray, v: int
+) -> tuple[np.ndarray, np.ndarray, float, np.ndarray]:
+    """One row's candidates (``cols`` ascending, masses ``e``): the draw blocks
+    they touch, each one's mass (``kernels.block_masses``), the float64
+    running total of those masses (the dense form's, which adds zeros for the
+    others) and each such block's first candidate."""
     nb = -(-v // DRAW_BLOCK)
-    _, mass, starts = kernels.block_masses(cols // DRAW_BLOCK, cols, e, v, nb)
-    return np.cumsum(mass, dtype=np.float64), starts
+    touched, mass, starts = kernels.block_masses(cols // DRAW_BLOCK, cols, e, v, nb)
+    total = float(np.cumsum(mass, dtype=np.float64)[-1]) if mass.size else 0.0
+    return touched, mass, total, starts
 
 
 def _sample_extended_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) -> int:
@@ -811,18 +820,20 @@ def _sample_extended_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingA
     Mirostat v2 (drop tokens whose surprise in bits exceeds mu) and XTC (with
     probability xtc_probability: of the tokens with p > xtc_threshold, when
     there are two or more, drop all but the least likely). Each stage keeps at
-    least the most likely token left. Then one draw, an inverse CDF in
-    token-id order; Mirostat's mu then moves by eta times the chosen token's
-    surprise (in the final distribution) minus tau.
+    least the most likely token left. Then the draw of every path (``_race``
+    between the blocks, then between the winner's tokens); Mirostat's mu then
+    moves by eta times the chosen token's surprise (in the final distribution)
+    minus tau.
 
     Draws from the row's generator: an XTC row first its coin, then every row
-    its one uniform, whatever the stages do."""
+    its ``_draws``, whatever the stages do."""
     ext = args.extended[i]
     assert ext is not None
     rng = args.rngs[i]
-    coin = rng.random() if ext.xtc_probability > 0 else 1.0
-    u = rng.random()
     v = x.shape[1]
+    nb = -(-v // DRAW_BLOCK)
+    coin = rng.random() if ext.xtc_probability > 0 else 1.0
+    d = _draws(rng, nb)
     xt = x[i] / args.temperature[i]  # float32 [V]
     m = xt.max()
     if not np.isfinite(m):  # everything masked (or NaN/inf): the raw argmax
@@ -865,8 +876,14 @@ def _sample_extended_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingA
         if np.count_nonzero(above) >= 2:
             on = ~above | (p == p[above].min())
             cols, p = cols[on], p[on] / p[on].sum()
-    cum = np.cumsum(p)
-    j = min(int(np.searchsorted(cum, u * cum[-1], side="right")), cols.size - 1)
+    # The draw as on the other paths: the race between the blocks the tokens
+    # left fall in, then between the winner's tokens.
+    blk = cols // DRAW_BLOCK
+    starts = np.flatnonzero(np.concatenate(([True], blk[1:] != blk[:-1])))
+    q = int(_race(np.add.reduceat(p, starts), d[:nb][blk[starts]]))
+    lo = int(starts[q])
+    hi = int(starts[q + 1]) if q + 1 < starts.size else cols.size
+    j = lo + int(_race(p[lo:hi], d[nb:][cols[lo:hi] % DRAW_BLOCK]))
     if ext.mirostat is not None:
         surprise = -np.log2(p[j])
         ext.mirostat.mu -= ext.mirostat_eta * (surprise - ext.mirostat_tau)
