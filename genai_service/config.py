@@ -81,8 +81,9 @@ class SchedulerConfig:
 
 
 MAX_DRAFT_TOKENS = 32  # a check of that many tokens costs several plain steps
-# A draft's guess ends after a token it gives less probability (docs/design.md,
-# "Speculative decoding": measured on the default model's fp32 + int4 pair).
+# A draft's greedy guess ends after a token it gives less probability
+# (docs/design.md, "Speculative decoding": measured on the default model's fp32
+# + int4 and int8 pairs; sampled guesses are never cut, see there).
 DRAFT_MIN_CONFIDENCE = 0.2
 SPECULATIVE_MODES = ("auto", "prompt-lookup", "draft")
 SPECULATION_BATCH_RULES = ("measured", "always")
@@ -104,8 +105,8 @@ class SpeculationConfig:
     While at most ``max_batch`` sequences are decoding, each one's next
     ``num_tokens`` tokens are guessed, by prompt lookup (an earlier occurrence
     of its last ``ngram_max``..``ngram_min`` tokens in its own context) or by
-    a draft model (``draft_model``; ``mode`` says which; its guess ends early
-    after a token to which it gives less than ``min_confidence``), and one step
+    a draft model (``draft_model``; ``mode`` says which; its greedy guess ends
+    early after a token to which it gives less than ``min_confidence``), and one step
     checks the guess: every guessed token the model agrees with comes out of that
     step too. From two sequences up, ``batch_rule`` "measured" guesses at a
     batch size only while guessing steps there are measured to give tokens
@@ -144,8 +145,9 @@ class SpeculationConfig:
     min_confidence: float = flag(
         DRAFT_MIN_CONFIDENCE,
         name="draft-min-confidence",
-        help="a draft model's guess ends after a token to which the draft gives less than "
-        "P probability (0: always N tokens)",
+        help="a draft model's guess for a greedy request ends after a token to which the "
+        "draft gives less than P probability (0: always N tokens; sampled requests' guesses "
+        "are always N tokens)",
         metavar="P",
     )
     batch_rule: str = flag(

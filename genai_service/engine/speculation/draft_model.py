@@ -8,8 +8,8 @@ at most ``catchup_tokens`` per step; after a check usually one or two
 tokens), then decodes its guess one token at a time (each picked as the
 target would pick, ``DraftModel``), all speculating sequences batched in
 each call, up to N tokens or until the draft is unsure of one (its
-probability under ``min_confidence``: that token is the guess's last; in a
-call of several sequences, once every one is unsure). After
+probability under ``min_confidence``, greedy guesses only: that token is the
+guess's last; in a call of several sequences, once every one is unsure). After
 the target's check, ``accepted`` cuts
 the draft's KV back to the tokens the sequence really has, as the target's
 is cut. A session turn's draft KV is parked here in host memory, by session
@@ -56,15 +56,14 @@ DRAFT_MAX_BACKOFF_STEPS = 64
 GuessPicker = Callable[[Seq, np.ndarray, list[int], np.random.Generator], int]
 
 
-def guess_probability(row: np.ndarray, token: int, temperature: float) -> float:
-    """The draft's probability of ``token`` from ``row`` (its logits) at
-    ``temperature`` (1 for greedy requests): what the confidence stop reads.
-    The request's penalties, top-k/top-p and constraint are left out: it only
-    decides how long a guess is, never which tokens come out."""
-    z = row if temperature == 1.0 else row * np.float32(1.0 / temperature)
+def guess_probability(row: np.ndarray, token: int) -> float:
+    """The draft's probability of ``token`` from ``row`` (its logits): what
+    the confidence stop of a greedy guess reads. The request's penalties and
+    constraint are left out: it only decides how long a guess is, never which
+    tokens come out."""
     with np.errstate(invalid="ignore", over="ignore"):  # inf or NaN logits: NaN, unsure
-        m = z.max()
-        return float(np.exp(z[token] - m) / np.exp(z - m).sum())
+        m = row.max()
+        return float(np.exp(row[token] - m) / np.exp(row - m).sum())
 
 
 class DraftModel(Proposer):
@@ -72,11 +71,12 @@ class DraftModel(Proposer):
     picked from the draft's logits as the target would pick from its own
     (``pick``: argmax for greedy requests; for sampled ones the request's sampler
     drawing from a copy of its generator, so a guess lands where the target's
-    draw will land whenever the two models' distributions agree there). A guess
-    ends after a token to which the draft gives less than ``min_confidence``
-    (``guess_probability``): past a token the draft doubts, the target rarely
-    keeps the rest, and each further guessed token costs a draft step (in a
-    call of several sequences it goes on while another one is sure). After a
+    draw will land whenever the two models' distributions agree there). A
+    greedy guess ends after a token to which the draft gives less than
+    ``min_confidence`` (``guess_probability``): past a token the draft doubts,
+    the target rarely keeps the rest, and each further guessed token costs a
+    draft step (in a call of several sequences it goes on while another one is
+    sure). After a
     guess rejected whole, the bound on the sequence's guesses halves, back to
     ``num_tokens`` once one is kept whole (``_span``): a draft that is
     confidently wrong there wastes few steps, while a good one keeps its long
@@ -221,12 +221,18 @@ class DraftModel(Proposer):
             token = int(np.argmax(row))
         else:
             token = self.pick(seq, row, pending, rngs.get(seq.seq_id) or _UNUSED_RNG)
-        if self.min_confidence and seq.seq_id not in unsure:  # a rider's stays doubted
-            sampling = seq.request.sampling
-            temperature = 1.0 if sampling.greedy else float(sampling.temperature or 1.0)
-            # ``not >=``: a NaN probability (logits the draft got wrong) ends it too.
-            if not guess_probability(row, token, temperature) >= self.min_confidence:
-                unsure.add(seq.seq_id)
+        # Greedy guesses only: a sampled guess lands on the target's token about
+        # as often whatever the draft gave it (the coupled race, docs/design.md,
+        # "Speculative decoding"), so stopping at a doubted one only shortens it.
+        # (A rider stays doubted; ``not >=``: a NaN probability, logits the
+        # draft got wrong, ends it too.)
+        if (
+            self.min_confidence
+            and seq.request.sampling.greedy
+            and seq.seq_id not in unsure
+            and not guess_probability(row, token) >= self.min_confidence
+        ):
+            unsure.add(seq.seq_id)
         return token
 
     def _step(self, seq: Seq, token: int) -> StepItem:
