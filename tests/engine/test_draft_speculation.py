@@ -62,7 +62,7 @@ def engine_for(
     # these tests check what speculation computes (the rule's own tests:
     # test_speculation_batch_rule.py). No confidence stop unless asked: the tiny
     # models' flat distributions would end nearly every guess at its first token
-    # (its own tests: test_an_unsure_draft_ends_its_guess*).
+    # (its own tests: test_an_unsure_draft_ends_its_greedy_guess*).
     spec = (
         SpeculationConfig(
             num_tokens,
@@ -170,6 +170,35 @@ def test_a_right_draft_guesses_every_sampled_pick(
     assert bool(guesses) == constant
 
 
+@pytest.mark.parametrize("extra", [300, -3], ids=["wider", "narrower"])
+def test_a_draft_of_another_logits_width_still_guesses_every_sampled_pick(
+    extra: int, tiny_models: dict[str, Path], drafts: dict[str, Path]
+) -> None:
+    """The sampler draws per pick by the row's width (a variate per block of
+    256 tokens): a draft's logits of another width are fitted to the target's
+    before a sampled guess, so its draws stay in step with the target's (here
+    the target itself, its rows widened with -inf or cut by its last ids)."""
+    engine = engine_for(tiny_models["gqa"], drafts["same"], num_tokens=4)
+    runner = engine.speculation.draft.runner  # type: ignore[union-attr]
+    real = runner.run
+
+    def resized(items: Any) -> np.ndarray:
+        out = real(items)
+        if extra < 0:
+            return out[:, :extra]
+        return np.concatenate([out, np.full((out.shape[0], extra), -np.inf, out.dtype)], axis=1)
+
+    runner.run = resized
+    # (cut: the model never picks its last ids on this prompt; -inf: no mass there)
+    got = engine.generate(request("a", PROMPT, 21, sampling=SAMPLED))
+    plain = engine_for(tiny_models["gqa"], None).generate(
+        request("a", PROMPT, 21, sampling=SAMPLED)
+    )
+    assert got.token_ids == plain.token_ids
+    c = engine.counters
+    assert c["spec_accepted_tokens"] == c["spec_draft_tokens"] == 16
+
+
 def test_guess_probability_is_the_drafts_softmax() -> None:
     row = np.random.default_rng(3).normal(0.0, 3.0, 500).astype(np.float32)
     z = row.astype(np.float64)
@@ -184,7 +213,7 @@ def test_an_unsure_draft_ends_its_greedy_guess_after_the_token_it_doubts(
     drafts: dict[str, Path],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """--draft-min-confidence: a guess ends after its first token to which the
+    """--draft-min-confidence: a greedy guess ends after its first token to which the
     draft gives less probability, or at N (or the request's room); the tokens
     stay a plain decode's."""
     tau, n = 0.2, 4

@@ -169,8 +169,9 @@ class DraftModel(Proposer):
             [(seq.seq_id, todo, len(seq.token_ids) - len(todo)) for seq, todo, _ in feeds]
         )
         # Each sampled sequence's generator, copied: the target's check draws
-        # from the real one, one draw per picked token, from this same state
-        # (greedy rows draw nothing).
+        # from the real one, one pick's draws per picked token (as many at
+        # every pick of a row of the target's width: ``_target_width``), from
+        # this same state (greedy rows draw nothing).
         rngs = {
             seq.seq_id: copy.deepcopy(seq.rng)
             for seq, _, _ in feeds
@@ -219,8 +220,10 @@ class DraftModel(Proposer):
         draft gives that token less than ``min_confidence``."""
         if self.pick is None:
             token = int(np.argmax(row))
+        elif seq.request.sampling.greedy:
+            token = self.pick(seq, row, pending, _UNUSED_RNG)
         else:
-            token = self.pick(seq, row, pending, rngs.get(seq.seq_id) or _UNUSED_RNG)
+            token = self.pick(seq, self._target_width(row), pending, rngs[seq.seq_id])
         # Greedy guesses only: a sampled guess lands on the target's token about
         # as often whatever the draft gave it (the coupled race, docs/design.md,
         # "Speculative decoding"), so stopping at a doubted one only shortens it.
@@ -234,6 +237,21 @@ class DraftModel(Proposer):
         ):
             unsure.add(seq.seq_id)
         return token
+
+    def _target_width(self, row: np.ndarray) -> np.ndarray:
+        """``row`` cut or padded (-inf: no mass) to the target's logits width: the
+        sampler's draws per pick depend on the row's width, so a sampled guess
+        from a row of another width would fall out of step with the target's
+        draws after its first token (tokens unchanged, far fewer kept). Ids
+        past the target's vocabulary could not be checked anyway."""
+        v = self.target_vocab
+        if row.shape[0] == v:
+            return row
+        if row.shape[0] > v:
+            return row[:v]
+        out = np.full(v, -np.inf, dtype=row.dtype)
+        out[: row.shape[0]] = row
+        return out
 
     def _step(self, seq: Seq, token: int) -> StepItem:
         return StepItem(seq.seq_id, (token,), self.runner.kv_len(seq.seq_id))
