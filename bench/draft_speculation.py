@@ -48,7 +48,7 @@ server's engine process does beside a draft, is process-wide for good): with
 the median ms of a one-token decode step at 100 tokens of context for fp32,
 int8, int4 and the poor draft, and of the target's check of K+1 tokens
 (``runner.verify``). c = draft step / target step. A guess is at most K
-tokens and ends earlier after a token the draft doubts
+tokens and, for greedy requests, ends earlier after a token the draft doubts
 (``--draft-min-confidence``) or, after a guess rejected whole, at half the
 last one's bound, so the model reads the guesses as they were
 from the server's counters (``genai_engine_spec_guesses``, ``..._draft_tokens``,
@@ -88,8 +88,8 @@ from unittest import mock
 from .procs import REPO, free_port
 from .workload import TokenSource, concurrency_stats, median, stream_stats
 
-# Draft tokens per check at most (--k); guesses end earlier where the draft doubts
-# a token (--draft-min-confidence at its default), and a sequence whose guess was
+# Draft tokens per check at most (--k); greedy guesses end earlier where the draft
+# doubts a token (--draft-min-confidence at its default), and a sequence whose guess was
 # rejected whole guesses half as far next (docs/design.md, "Speculative decoding").
 K = 10
 POOR_LAYERS = 4  # layers the poor draft keeps, of the default model's 30

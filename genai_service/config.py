@@ -146,8 +146,8 @@ class SpeculationConfig:
         DRAFT_MIN_CONFIDENCE,
         name="draft-min-confidence",
         help="a draft model's guess for a greedy request ends after a token to which the "
-        "draft gives less than P probability (0: always N tokens; sampled requests' guesses "
-        "are always N tokens)",
+        "draft gives less than P probability (0: never; sampled requests' guesses are never "
+        "cut by it)",
         metavar="P",
     )
     batch_rule: str = flag(

@@ -713,7 +713,7 @@ def test_rows_in_blocks_for_the_cache_change_no_bit(
 )
 def test_constant_args_draw_what_sample_draws(params: SamplingParams) -> None:
     """A row whose args are built once draws, step after step, exactly the
-    tokens of the general path with the same generator (one draw per step)."""
+    tokens of the general path with the same generator (the same draws per step)."""
     rng = np.random.default_rng(7)
     once = constant_args(make_row(params, seed=11))
     assert once is not None

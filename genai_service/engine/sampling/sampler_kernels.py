@@ -13,7 +13,7 @@ import numpy as np
 # A top-k row's k-th largest logit is bounded from below by the maxima of this
 # many strided groups of its tokens (at least 4 k groups).
 KTH_GROUPS = 1024
-# Tokens per block of the two-level draw (a race between blocks, an inverse CDF within one).
+# Tokens per block of the two-level draw (a race between blocks, then one within the winner).
 DRAW_BLOCK = 256
 NO_IDS = np.zeros(0, dtype=np.int64)
 NO_VALS = np.zeros(0, dtype=np.float32)
