@@ -786,7 +786,8 @@ def markdown(result: dict[str, Any]) -> list[str]:
         f"{cost['rounds']}). The fp32 target's check of {k + 1} tokens: "
         f"{_f(cost['verify_ms'])} ms ({_f(cost['verify_ms'] / target_ms)}× its step). "
         "From the single-stream counters: L = draft tokens / guesses (the mean guess; at "
-        "most K, shorter where the draft doubted a token), E = 1 + accepted / guesses "
+        "most K, shorter where the draft doubted a token of a greedy guess, after a guess "
+        "rejected whole, or for want of room), E = 1 + accepted / guesses "
         "(tokens per check); expected × = E·T_target / (L·c·T_target + T_check(L)), "
         "T_check(L) = T_target + (T_verify − T_target)·L/K.",
         "",

@@ -170,26 +170,23 @@ def test_a_right_draft_guesses_every_sampled_pick(
     assert bool(guesses) == constant
 
 
-@pytest.mark.parametrize("extra", [300, -3], ids=["wider", "narrower"])
-def test_a_draft_of_another_logits_width_still_guesses_every_sampled_pick(
-    extra: int, tiny_models: dict[str, Path], drafts: dict[str, Path]
+def test_a_wider_draft_still_guesses_every_sampled_pick(
+    tiny_models: dict[str, Path], drafts: dict[str, Path]
 ) -> None:
     """The sampler draws per pick by the row's width (a variate per block of
-    256 tokens): a draft's logits of another width are fitted to the target's
-    before a sampled guess, so its draws stay in step with the target's (here
-    the target itself, its rows widened with -inf or cut by its last ids)."""
+    256 tokens and per place in one): a draft's logits of another width are
+    fitted to the target's before a sampled guess, so its draws stay in step
+    with the target's (here the target itself, its 85-wide rows widened by 300
+    columns of -inf: two blocks against one)."""
     engine = engine_for(tiny_models["gqa"], drafts["same"], num_tokens=4)
     runner = engine.speculation.draft.runner  # type: ignore[union-attr]
     real = runner.run
 
-    def resized(items: Any) -> np.ndarray:
+    def widened(items: Any) -> np.ndarray:
         out = real(items)
-        if extra < 0:
-            return out[:, :extra]
-        return np.concatenate([out, np.full((out.shape[0], extra), -np.inf, out.dtype)], axis=1)
+        return np.concatenate([out, np.full((out.shape[0], 300), -np.inf, out.dtype)], axis=1)
 
-    runner.run = resized
-    # (cut: the model never picks its last ids on this prompt; -inf: no mass there)
+    runner.run = widened
     got = engine.generate(request("a", PROMPT, 21, sampling=SAMPLED))
     plain = engine_for(tiny_models["gqa"], None).generate(
         request("a", PROMPT, 21, sampling=SAMPLED)
@@ -197,6 +194,18 @@ def test_a_draft_of_another_logits_width_still_guesses_every_sampled_pick(
     assert got.token_ids == plain.token_ids
     c = engine.counters
     assert c["spec_accepted_tokens"] == c["spec_draft_tokens"] == 16
+
+
+def test_a_drafts_row_is_cut_or_padded_to_the_targets_width() -> None:
+    fit = DraftModel._target_width
+    target = types.SimpleNamespace(target_vocab=300)
+    row = np.arange(600, dtype=np.float32)
+    assert fit(target, row).tolist() == row[:300].tolist()
+    narrow = fit(target, row[:200])
+    assert narrow.shape == (300,) and narrow.dtype == np.float32
+    assert narrow[:200].tolist() == row[:200].tolist() and np.isneginf(narrow[200:]).all()
+    same = row[:300]
+    assert fit(target, same) is same
 
 
 def test_guess_probability_is_the_drafts_softmax() -> None:

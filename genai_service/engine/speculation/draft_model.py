@@ -45,8 +45,9 @@ def _kv_nbytes(layers: KvLayers) -> int:
     return sum(k.nbytes + v.nbytes for k, v in layers)
 
 
-# (seq, the draft's logits [vocab], the guesses so far, a copy of the sequence's
-# generator) -> the guess: ``TokenPicker.guess_after``.
+# (seq, the draft's logits [vocab; for a sampled request the target's width], the
+# guesses so far, a copy of the sequence's generator) -> the guess:
+# ``TokenPicker.guess_after``.
 _UNUSED_RNG = np.random.default_rng(0)  # what greedy rows get (they draw nothing)
 # A failed guess costs up to N draft steps and a check (~0.9 of a target step for a
 # 4-layer draft at N = 5, more for a larger one), not a free lookup: back off
@@ -216,8 +217,8 @@ class DraftModel(Proposer):
         rngs: dict[int, np.random.Generator],
         unsure: set[int],
     ) -> int:
-        """The next guessed token from ``row``; ``seq`` joins ``unsure`` when the
-        draft gives that token less than ``min_confidence``."""
+        """The next guessed token from ``row``; for a greedy request ``seq`` joins
+        ``unsure`` when the draft gives that token less than ``min_confidence``."""
         if self.pick is None:
             token = int(np.argmax(row))
         elif seq.request.sampling.greedy:
