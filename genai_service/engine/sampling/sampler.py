@@ -578,7 +578,7 @@ def _sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingAr
 
     # The draw (``_draws``): a race between the blocks, then one between the
     # winning block's tokens.
-    d = np.array([_draws(args.rngs[i], nb) for i in s]).reshape(n, nb + DRAW_BLOCK)
+    d = np.array([_draws(args.rngs[i], v) for i in s]).reshape(n, nb + DRAW_BLOCK)
     ok = live & (cum[:, -1] > 0)  # else nothing left to draw from (all banned, min_p > 1, ...)
     b = _race(blocks, d[:, :nb])
     # Each row's chosen block [S, 256], then the token within it.
@@ -596,12 +596,12 @@ def _sample_rows(raw: np.ndarray, x: np.ndarray, s: np.ndarray, args: SamplingAr
     return out
 
 
-def _draws(rng: np.random.Generator, nb: int) -> np.ndarray:
-    """A sampled row's draws for one step, whatever its stages keep: ``nb +
-    DRAW_BLOCK`` standard exponential variates in one call, one for each of
-    the ``nb`` blocks of ``DRAW_BLOCK`` tokens, then one for each place in a
+def _draws(rng: np.random.Generator, v: int) -> np.ndarray:
+    """A sampled row's draws for one step over a row of ``v`` tokens, whatever
+    its stages keep: standard exponential variates in one call, one for each
+    of the row's blocks of ``DRAW_BLOCK`` tokens, then one for each place in a
     block (``_race`` picks the block, then the token within it)."""
-    return rng.standard_exponential(nb + DRAW_BLOCK)
+    return rng.standard_exponential(-(-v // DRAW_BLOCK) + DRAW_BLOCK)
 
 
 def _race(mass: np.ndarray, exps: np.ndarray) -> np.ndarray:
@@ -654,7 +654,7 @@ def _sample_one_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) 
         # too (an infinite t makes -inf / t NaN: that one divides the maximum)
         m = scaled.max() if np.isfinite(t) else row.max() / t
     if not np.isfinite(m):  # everything masked (or NaN/inf): the raw argmax, after the draw
-        _draws(args.rngs[i], -(-v // DRAW_BLOCK))
+        _draws(args.rngs[i], v)
         return int(fallback_tokens(raw, np.array([i]), args)[0])
     if scaled is not None and top_p >= 1.0:  # temperature only: the whole vocabulary
         return _sample_dense_row(raw, scaled, m, i, args)
@@ -705,17 +705,30 @@ def _sample_one_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingArgs) 
             cols, e = cols[keep], e[keep]
             touched, mass, total, starts = _touched_run(cols, e, v)
 
-    nb = -(-v // DRAW_BLOCK)
-    d = _draws(args.rngs[i], nb)
+    d = _draws(args.rngs[i], v)
     if not total > 0:
         return int(fallback_tokens(raw, np.array([i]), args)[0])
-    # The race between the blocks the candidates touch (the others hold no
-    # mass and cannot win), then between the winner's candidates: the dense
-    # form's races without its zeros.
+    return int(cols[_race_listed(cols, e, touched, mass, starts, d)])
+
+
+def _race_listed(
+    cols: np.ndarray,
+    e: np.ndarray,
+    touched: np.ndarray,
+    mass: np.ndarray,
+    starts: np.ndarray,
+    d: np.ndarray,
+) -> int:
+    """The index in ``cols`` (ascending token ids, masses ``e``) that a row's
+    draws ``d`` (``_draws``) pick: the race between the blocks the tokens touch
+    (``touched``, their masses, each one's first index in ``starts``; the
+    untouched hold no mass and cannot win), then between the winner's tokens:
+    the dense form's races without its zeros."""
+    nb = d.size - DRAW_BLOCK
     q = int(_race(mass, d[:nb][touched]))
     lo = int(starts[q])
     hi = int(starts[q + 1]) if q + 1 < starts.size else cols.size
-    return int(cols[lo + _race(e[lo:hi], d[nb:][cols[lo:hi] % DRAW_BLOCK])])
+    return lo + int(_race(e[lo:hi], d[nb:][cols[lo:hi] % DRAW_BLOCK]))
 
 
 def _masses(x: np.ndarray, t: np.ndarray, m: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -760,9 +773,10 @@ def _sample_dense_row(
     computes them, the race between the blocks, then the token within the
     winner."""
     e, blocks = _row_masses(scaled, m)
-    d = _draws(args.rngs[i], blocks.size)
-    # (With a finite maximum, whose token has mass 1, there is always mass: a guard.)
-    if not np.cumsum(blocks, dtype=np.float64)[-1] > 0:
+    d = _draws(args.rngs[i], e.size)
+    # (With a finite maximum, whose token has mass 1, there is always mass: a
+    # guard; NaN masses fail it too.)
+    if not blocks.max() > 0:
         return int(fallback_tokens(raw, np.array([i]), args)[0])
     b = int(_race(blocks, d[: blocks.size]))
     part = e[b * DRAW_BLOCK : (b + 1) * DRAW_BLOCK]
@@ -831,9 +845,8 @@ def _sample_extended_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingA
     assert ext is not None
     rng = args.rngs[i]
     v = x.shape[1]
-    nb = -(-v // DRAW_BLOCK)
     coin = rng.random() if ext.xtc_probability > 0 else 1.0
-    d = _draws(rng, nb)
+    d = _draws(rng, v)
     xt = x[i] / args.temperature[i]  # float32 [V]
     m = xt.max()
     if not np.isfinite(m):  # everything masked (or NaN/inf): the raw argmax
@@ -876,14 +889,11 @@ def _sample_extended_row(raw: np.ndarray, x: np.ndarray, i: int, args: SamplingA
         if np.count_nonzero(above) >= 2:
             on = ~above | (p == p[above].min())
             cols, p = cols[on], p[on] / p[on].sum()
-    # The draw as on the other paths: the race between the blocks the tokens
-    # left fall in, then between the winner's tokens.
+    # The draw as on the other paths, on the blocks the tokens left fall in
+    # (their masses in float64, as this path's p).
     blk = cols // DRAW_BLOCK
     starts = np.flatnonzero(np.concatenate(([True], blk[1:] != blk[:-1])))
-    q = int(_race(np.add.reduceat(p, starts), d[:nb][blk[starts]]))
-    lo = int(starts[q])
-    hi = int(starts[q + 1]) if q + 1 < starts.size else cols.size
-    j = lo + int(_race(p[lo:hi], d[nb:][cols[lo:hi] % DRAW_BLOCK]))
+    j = _race_listed(cols, p, blk[starts], np.add.reduceat(p, starts), starts, d)
     if ext.mirostat is not None:
         surprise = -np.log2(p[j])
         ext.mirostat.mu -= ext.mirostat_eta * (surprise - ext.mirostat_tau)

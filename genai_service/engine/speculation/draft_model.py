@@ -219,9 +219,10 @@ class DraftModel(Proposer):
     ) -> int:
         """The next guessed token from ``row``; for a greedy request ``seq`` joins
         ``unsure`` when the draft gives that token less than ``min_confidence``."""
+        greedy = seq.request.sampling.greedy
         if self.pick is None:
             token = int(np.argmax(row))
-        elif seq.request.sampling.greedy:
+        elif greedy:
             token = self.pick(seq, row, pending, _UNUSED_RNG)
         else:
             token = self.pick(seq, self._target_width(row), pending, rngs[seq.seq_id])
@@ -232,7 +233,7 @@ class DraftModel(Proposer):
         # draft got wrong, ends it too.)
         if (
             self.min_confidence
-            and seq.request.sampling.greedy
+            and greedy
             and seq.seq_id not in unsure
             and not guess_probability(row, token) >= self.min_confidence
         ):
