@@ -644,6 +644,45 @@ def test_the_one_row_nucleus_is_the_batched_one(scale: float | None) -> None:
         assert got_vals.tobytes() == vals.tobytes()
 
 
+@pytest.mark.parametrize("v", [65536, 3 * DRAW_BLOCK + 77, DRAW_BLOCK, 300])
+def test_the_bounded_race_draws_the_whole_rows_token(
+    monkeypatch: pytest.MonkeyPatch, v: int
+) -> None:
+    """From ``BOUNDED_RACE_MIN_VOCAB`` up, a temperature-only row races only
+    the blocks that can win (``_sample_bounded_row``): step after step the
+    whole row's token (``_sample_dense_row``), on peaked, flat, tied, partly
+    banned and nearly uniform rows, a short last block included."""
+    from genai_service.engine.sampling import sampler
+
+    gen = np.random.default_rng(v)
+    rows = [
+        (gen.standard_normal(v) * 4).astype(np.float32),  # peaked
+        (gen.standard_normal(v) * 0.3).astype(np.float32),  # flat
+        np.round(gen.standard_normal(v)).astype(np.float32),  # ties everywhere
+        np.zeros(v, dtype=np.float32),  # uniform: every block can win
+        np.where(gen.random(v) < 0.6, -np.inf, gen.standard_normal(v) * 2).astype(np.float32),
+    ]
+    rows[1][gen.integers(0, v, 3)] += 12.0  # a few spikes over a flat tail
+    races = 0
+    bounded_row = sampler._sample_bounded_row
+
+    def counted(*args: object) -> int:
+        nonlocal races
+        races += 1
+        return bounded_row(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sampler, "_sample_bounded_row", counted)
+    for j, row in enumerate(rows):
+        for temperature in (0.2, 0.7, 1.5, 100.0):
+            draws = {}
+            for bounded in (True, False):
+                monkeypatch.setattr(sampler, "BOUNDED_RACE_MIN_VOCAB", 1 if bounded else 1 << 40)
+                r = make_row(SamplingParams(temperature=temperature), seed=10 * j)
+                draws[bounded] = [sample(row[None], prepare([r])).token_ids[0] for _ in range(12)]
+            assert draws[True] == draws[False], (j, temperature)
+    assert races == len(rows) * 4 * 12
+
+
 @pytest.mark.parametrize(
     "params",
     [
