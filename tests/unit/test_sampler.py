@@ -512,6 +512,7 @@ def test_a_masked_row_with_nothing_to_pick_keeps_to_its_mask(params: SamplingPar
     batch=st.integers(1, 4),
     repetition=st.sampled_from([None, 1.3]),
     poison=st.sampled_from([None, None, None, np.nan, np.inf]),
+    bounded=st.booleans(),
 )
 def test_the_one_row_path_draws_what_the_batched_path_draws(
     seed: int,
@@ -524,11 +525,14 @@ def test_the_one_row_path_draws_what_the_batched_path_draws(
     batch: int,
     repetition: float | None,
     poison: float | None,
+    bounded: bool,
 ) -> None:
     """A step with few sampled rows takes them one by one (``_sample_one_row``);
     each must pick exactly the token of the batched form (and draw as much).
     Row 0 has the drawn parameters; the others vary them (greedy and dense
-    rows among them), so handled and declined rows mix in one step."""
+    rows among them), so handled and declined rows mix in one step.
+    ``bounded``: temperature-only rows race only the blocks that can win
+    (``_sample_bounded_row``, at any vocabulary)."""
     from genai_service.engine.sampling import sampler
 
     gen = np.random.default_rng(seed)
@@ -562,6 +566,9 @@ def test_the_one_row_path_draws_what_the_batched_path_draws(
     one_by_one, batched = prepare(rows()), prepare(rows())
     s = np.flatnonzero(batched.temperature > 0)
     limit, sampler.ROW_PATH_MAX_ROWS = sampler.ROW_PATH_MAX_ROWS, 4  # every batch here
+    least = sampler.BOUNDED_RACE_MIN_VOCAB
+    if bounded:
+        sampler.BOUNDED_RACE_MIN_VOCAB = 1
     try:
         for _ in range(3):  # the generators must advance alike too
             a = sampler.sample(logits, one_by_one)
@@ -570,6 +577,7 @@ def test_the_one_row_path_draws_what_the_batched_path_draws(
             assert a.token_ids[s].tolist() == b.tolist()
     finally:
         sampler.ROW_PATH_MAX_ROWS = limit
+        sampler.BOUNDED_RACE_MIN_VOCAB = least
     # (it declines only a top-k row with fewer than k finite logits)
     if masked < vocab - top_k:
         assert sampler._sample_one_row(logits, logits, 0, one_by_one) is not None
@@ -644,14 +652,16 @@ def test_the_one_row_nucleus_is_the_batched_one(scale: float | None) -> None:
         assert got_vals.tobytes() == vals.tobytes()
 
 
-@pytest.mark.parametrize("v", [65536, 3 * DRAW_BLOCK + 77, DRAW_BLOCK, 300])
+@pytest.mark.parametrize("v", [151936, 65536, 3 * DRAW_BLOCK + 77, DRAW_BLOCK, 300])
 def test_the_bounded_race_draws_the_whole_rows_token(
     monkeypatch: pytest.MonkeyPatch, v: int
 ) -> None:
     """From ``BOUNDED_RACE_MIN_VOCAB`` up, a temperature-only row races only
     the blocks that can win (``_sample_bounded_row``): step after step the
     whole row's token (``_sample_dense_row``), on peaked, flat, tied, partly
-    banned and nearly uniform rows, a short last block included."""
+    banned (whole blocks too) and constant rows, a short last block included
+    (151,936 is Qwen's vocabulary); and the masses it sums for its candidate
+    blocks are the whole row's, bit for bit."""
     from genai_service.engine.sampling import sampler
 
     gen = np.random.default_rng(v)
@@ -659,28 +669,44 @@ def test_the_bounded_race_draws_the_whole_rows_token(
         (gen.standard_normal(v) * 4).astype(np.float32),  # peaked
         (gen.standard_normal(v) * 0.3).astype(np.float32),  # flat
         np.round(gen.standard_normal(v)).astype(np.float32),  # ties everywhere
-        np.zeros(v, dtype=np.float32),  # uniform: every block can win
+        np.zeros(v, dtype=np.float32),  # constant: many blocks can win
         np.where(gen.random(v) < 0.6, -np.inf, gen.standard_normal(v) * 2).astype(np.float32),
     ]
     rows[1][gen.integers(0, v, 3)] += 12.0  # a few spikes over a flat tail
-    races = 0
+    rows[4][: 2 * DRAW_BLOCK] = -np.inf  # whole blocks without mass
+    rows[4][-1] = 3.0  # (in the short last block, where there is one)
+    masses = []
     bounded_row = sampler._sample_bounded_row
 
-    def counted(*args: object) -> int:
-        nonlocal races
-        races += 1
-        return bounded_row(*args)  # type: ignore[arg-type]
+    def recorded(
+        raw: np.ndarray, row: np.ndarray, tops: np.ndarray, m: np.float32, i: int, args: object
+    ) -> int:
+        masses.append((row, args.temperature[i], m))  # type: ignore[attr-defined]
+        return bounded_row(raw, row, tops, m, i, args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(sampler, "_sample_bounded_row", counted)
+    monkeypatch.setattr(sampler, "_sample_bounded_row", recorded)
     for j, row in enumerate(rows):
-        for temperature in (0.2, 0.7, 1.5, 100.0):
+        for temperature in (1e-4, 0.2, 0.7, 1.5, 100.0):
             draws = {}
             for bounded in (True, False):
                 monkeypatch.setattr(sampler, "BOUNDED_RACE_MIN_VOCAB", 1 if bounded else 1 << 40)
                 r = make_row(SamplingParams(temperature=temperature), seed=10 * j)
                 draws[bounded] = [sample(row[None], prepare([r])).token_ids[0] for _ in range(12)]
+                draws[bounded].append(r.rng.integers(1 << 62))  # the generator in step after
             assert draws[True] == draws[False], (j, temperature)
-    assert races == len(rows) * 4 * 12
+    assert len(masses) == len(rows) * 5 * 12
+
+    # The masses of the blocks it gathers (a third of them here, the last
+    # one always) against the whole row's, every bit.
+    for row, t, m in masses[::12]:
+        whole, blocks = sampler._row_masses(np.divide(row, t), m)
+        nb = blocks.size
+        picked = np.union1d(gen.permutation(nb)[: max(1, nb // 3)], [nb - 1])
+        e, starts, mass = sampler._blocks_masses(row, picked, t, m)
+        ids = (picked[:, None] * DRAW_BLOCK + np.arange(DRAW_BLOCK)).reshape(-1)
+        assert e.tobytes() == whole[ids[ids < v]].tobytes()
+        assert mass.tobytes() == blocks[picked].tobytes()
+        assert starts.tolist() == list(range(0, e.size, DRAW_BLOCK))
 
 
 @pytest.mark.parametrize(
