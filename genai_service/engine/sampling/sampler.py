@@ -813,9 +813,9 @@ def _sample_bounded_row(
     cannot win; the others (of 1,024 at V = 262,144, on the benchmark's logits
     a median of 15 at temperature 0.7, 40 at 1.0, 100-150 at 1.5-3) get their
     exact masses (``_blocks_masses``: the dense form's, bit for bit), so the
-    winner and then the token within it are the dense form's. The margins are far wider than float32
-    rounding, which is all that bounds by value could miss (``np.exp`` need
-    not be monotonic in the last place)."""
+    winner and then the token within it are the dense form's. The margins
+    are far wider than float32 rounding, which is all that bounds by value
+    could miss (``np.exp`` need not be monotonic in the last place)."""
     v, nb = row.size, tops.size
     t = args.temperature[i]
     d = _draws(args.rngs[i], v)
