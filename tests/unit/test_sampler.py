@@ -702,9 +702,10 @@ def test_the_bounded_race_draws_the_whole_rows_token(
         whole, blocks = sampler._row_masses(np.divide(row, t), m)
         nb = blocks.size
         picked = np.union1d(gen.permutation(nb)[: max(1, nb // 3)], [nb - 1])
-        e, starts, mass = sampler._blocks_masses(row, picked, t, m)
-        ids = (picked[:, None] * DRAW_BLOCK + np.arange(DRAW_BLOCK)).reshape(-1)
-        assert e.tobytes() == whole[ids[ids < v]].tobytes()
+        ids, e, starts, mass = sampler._blocks_masses(row, picked, t, m)
+        expected = (picked[:, None] * DRAW_BLOCK + np.arange(DRAW_BLOCK)).reshape(-1)
+        assert ids.tolist() == expected[expected < v].tolist()
+        assert e.tobytes() == whole[ids].tobytes()
         assert mass.tobytes() == blocks[picked].tobytes()
         assert starts.tolist() == list(range(0, e.size, DRAW_BLOCK))
 

@@ -824,25 +824,22 @@ def _sample_bounded_row(
     size = np.minimum(DRAW_BLOCK, v - np.arange(0, v, DRAW_BLOCK))
     best = (top * (1.0 - _BOUND_MARGIN) / w).max()
     cand = np.flatnonzero(top * size * (1.0 + _BOUND_MARGIN) / w >= best)
-    e, starts, mass = _blocks_masses(row, cand, t, m)
+    ids, e, starts, mass = _blocks_masses(row, cand, t, m)
     # (With a finite maximum, whose token has mass 1, there is always mass: a
     # guard; NaN masses fail it too.)
     if not mass.max() > 0:
         return int(fallback_tokens(raw, np.array([i]), args)[0])
-    q = int(_race(mass, d[cand]))
-    b = int(cand[q])
-    part = e[starts[q] : starts[q] + size[b]]
-    return b * DRAW_BLOCK + int(_race(part, d[nb : nb + part.size]))
+    return int(ids[_race_listed(ids, e, cand, mass, starts, d)])
 
 
 def _blocks_masses(
     row: np.ndarray, blocks: np.ndarray, t: np.float32, m: np.float32
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The masses of the tokens of some of a row's draw blocks (``blocks``,
-    ascending, at least one), each block's first index among them, and each
-    block's mass: ``_row_masses``'s values for those tokens and blocks, bit
-    for bit (the same float32 operations on each token; ``reduceat`` over the
-    same whole blocks)."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The tokens of some of a row's draw blocks (``blocks``, ascending, at
+    least one) and their masses, each block's first index among them, and
+    each block's mass: ``_row_masses``'s values for those tokens and blocks,
+    bit for bit (the same float32 operations on each token; ``reduceat`` over
+    the same whole blocks)."""
     ids = (blocks[:, None] * DRAW_BLOCK + _PLACES).reshape(-1)
     if ids[-1] >= row.size:  # the last block is short
         ids = ids[ids < row.size]
@@ -850,7 +847,7 @@ def _blocks_masses(
     e -= m
     np.exp(e, out=e)
     starts = np.arange(0, ids.size, DRAW_BLOCK)
-    return e, starts, np.add.reduceat(e, starts)
+    return ids, e, starts, np.add.reduceat(e, starts)
 
 
 # Relative margin on the bounds of a block's mass (``_sample_bounded_row``).
