@@ -92,11 +92,12 @@ class Bench:
         self.client: Client | None = None
         try:
             self._start(og_engine_dir)
-            # After the in-process engine has loaded: built first, the tokenizer's
-            # memory, freed into this process's heap, was reused by the session's
-            # load, and ~45 of its ~150 MB of weights missed the huge pages the
-            # engine process gets (load_session collapses only new mappings):
-            # decode steps 0-3 % slower in 3 paired runs (2026-12-07).
+            # After the in-process engine has loaded: built first, the memory
+            # TokenSource freed after tokenizing its corpus was reused by the
+            # session's load, and ~50 of its ~150 MB of weights missed the huge
+            # pages the engine process gets (load_session collapses only the
+            # address ranges a load added): decode steps 0-3 % slower in 3 paired
+            # runs (2026-12-07).
             self.source = TokenSource(model_dir)
             self.workload = Workload.build(plan, self.source)
         except BaseException:
